@@ -1,0 +1,24 @@
+# The two commands of README.md: `make serve` and `make test`.
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export VLLM_NO_USAGE_STATS := 1
+export RAY_USAGE_STATS_ENABLED := 0
+
+.PHONY: venv serve test lint check
+
+venv:
+	./scripts/install.sh
+
+serve: venv
+	.venv/bin/rayattn prepare-model
+	.venv/bin/serve run deployments/local.yaml
+
+check: venv
+	.venv/bin/rayattn check deployments/*.yaml
+
+lint: venv
+	.venv/bin/ruff check rayattn tests bench
+
+test: venv
+	.venv/bin/ruff check rayattn tests bench
+	.venv/bin/python -m pytest -v --durations=15

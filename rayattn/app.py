@@ -1,0 +1,102 @@
+"""`import_path: rayattn.app:build_app` — the Serve application builder.
+
+One engine deployment per DP rank (`engine-<rank>`, one replica each, owning its devices
+through a placement group) behind one router/ingress deployment. See
+rayattn/server/dispatch.py for why ranks are separate deployments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from ray import serve
+from ray.serve import Application
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rayattn.config.loader import parse_args
+from rayattn.config.plan import Plan, build_plan
+from rayattn.engine.replica import EngineReplica
+from rayattn.server.errors import APIError
+from rayattn.server.ingress import Ingress, app
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return APIError(400, str(exc.errors()[:3])).response()
+
+
+@serve.deployment
+@serve.ingress(app)
+class Router(Ingress):
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def list_models(self):
+        return self.models()
+
+    @app.get("/health")
+    async def health_check(self):
+        return await self.health()
+
+
+@serve.deployment
+class Engine(EngineReplica):
+    pass
+
+
+def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
+    cfg = plan.config
+    bundle0 = plan.bundles[0]
+    actor: dict[str, Any] = {
+        "num_cpus": bundle0.get("CPU", 1),
+        "num_gpus": 1 if plan.gpus_per_replica == 1 else 0,
+        **cfg.serve.ray_actor_options,
+    }
+    runtime_env = dict(actor.pop("runtime_env", {}) or {})
+    runtime_env["env_vars"] = {**plan.env, **runtime_env.get("env_vars", {})}
+    actor["runtime_env"] = runtime_env
+    return dict(
+        name=f"engine-{rank}",
+        num_replicas=1,
+        max_ongoing_requests=cfg.serve.max_ongoing_requests,
+        placement_group_bundles=plan.bundles,
+        placement_group_strategy=plan.strategy,
+        ray_actor_options=actor,
+        health_check_period_s=cfg.serve.health_check_period_s,
+        health_check_timeout_s=max(30.0, cfg.serve.health_check_period_s * 3),
+        # Let in-flight generations finish on scale-down or redeploy.
+        graceful_shutdown_timeout_s=cfg.router.request_timeout_s,
+    )
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = parse_args(args)
+    plan = build_plan(cfg, prepare_model=True)
+    engines = [Engine.options(**engine_options(plan, rank)).bind(args, rank)
+               for rank in range(plan.replicas)]
+    router_opts: dict[str, Any] = dict(
+        name="router",
+        ray_actor_options={"num_cpus": 0,
+                           "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed}}},
+        # The router's own admission limit answers 429 before Serve's queue would hang.
+        max_ongoing_requests=cfg.router.max_inflight + 16,
+        graceful_shutdown_timeout_s=cfg.router.request_timeout_s,
+    )
+    if cfg.serve.ingress_autoscaling:
+        router_opts["autoscaling_config"] = cfg.serve.ingress_autoscaling
+    else:
+        router_opts["num_replicas"] = cfg.serve.ingress_replicas
+    return Router.options(**router_opts).bind(args, engines)

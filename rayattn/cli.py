@@ -1,0 +1,75 @@
+"""`rayattn` command line: check configs, prepare the embedded model, render KubeRay
+manifests, benchmark and simulate routing policies."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
+from rayattn.config.plan import PlanError, build_plan
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    status = 0
+    for path in args.configs:
+        try:
+            apps = rayattn_apps(load_serve_config(path))
+            for name, cfg in apps:
+                plan = build_plan(cfg, prepare_model=False)
+                print(f"== {path} [{name}]: OK\n{plan.describe()}\n")
+        except (ConfigError, PlanError, ValueError, OSError) as e:
+            print(f"== {path}: INVALID\n{e}\n", file=sys.stderr)
+            status = 1
+    return status
+
+
+def cmd_prepare(args: argparse.Namespace) -> int:
+    from rayattn.models.embedded import resolve_embedded
+
+    print(resolve_embedded(args.source))
+    return 0
+
+
+def cmd_tiny(args: argparse.Namespace) -> int:
+    from rayattn.models.tiny import make_tiny_model
+
+    print(make_tiny_model(args.arch, args.out))
+    return 0
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    from rayattn.k8s.render import main as render_main
+
+    return render_main(args)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="rayattn")
+    sub = p.add_subparsers(dest="cmd", required=True)
+    c = sub.add_parser("check", help="validate Serve config files offline and print the plan")
+    c.add_argument("configs", nargs="+")
+    c.set_defaults(fn=cmd_check)
+    m = sub.add_parser("prepare-model", help="prepare an embedded model (safetensors)")
+    m.add_argument("source", nargs="?", default="rayattn://smollm2-135m")
+    m.set_defaults(fn=cmd_prepare)
+    t = sub.add_parser("tiny-model", help="generate a tiny random-weight model")
+    t.add_argument("arch", choices=["llama", "qwen3-moe", "deepseek-mla"])
+    t.add_argument("out")
+    t.set_defaults(fn=cmd_tiny)
+    r = sub.add_parser("render-k8s", help="render a KubeRay RayService from a Serve config")
+    r.add_argument("config")
+    r.add_argument("-o", "--out", help="write here instead of stdout")
+    r.add_argument("--image", default=None, help="ROCm vLLM image")
+    r.set_defaults(fn=cmd_render)
+    try:
+        from rayattn.bench.cli import add_parsers
+        add_parsers(sub)
+    except ImportError:
+        pass
+    args = p.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""Turn a validated RayAttnConfig into a deployment plan, rejecting combinations that cannot
+run: wrong backend for the model or platform, unsupported head/block sizes or KV dtypes,
+parallel layouts that do not divide the model.
+
+The plan is what `rayattn check` prints and what the engine deployment and the KubeRay
+renderer consume, so the three never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayattn import backends
+from rayattn.config.architecture import Architecture, local_model_dir, lookup
+from rayattn.config.schema import RayAttnConfig
+
+_ROCM_ACCELERATORS = {"MI300X", "MI325X", "MI355X"}
+_CUDA_ACCELERATORS = {"H100", "H200", "B200"}
+
+
+class PlanError(ValueError):
+    """One or more problems, each naming the config field at fault."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("invalid configuration:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+@dataclass
+class Plan:
+    config: RayAttnConfig
+    arch: Architecture
+    backend: backends.BackendSpec
+    backend_reason: str
+    block_size: int
+    env: dict[str, str]
+    engine_kwargs: dict[str, Any]
+    bundles: list[dict[str, float]]
+    strategy: str
+    replicas: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return 0 if self.config.platform.kind == "cpu" else \
+            self.config.parallelism.gpus_per_replica
+
+    def describe(self) -> str:
+        c = self.config
+        lines = [
+            f"model:      {c.model.source} (served as {c.model.name!r})",
+            f"arch:       {self.arch.kind.upper()}, {self.arch.num_attention_heads} heads, "
+            f"head_dim {self.arch.head_dim}, moe={self.arch.is_moe}, sinks={self.arch.has_sinks}"
+            f"  [from {self.arch.source}]",
+            f"platform:   {c.platform.kind}"
+            + (f" ({c.platform.accelerator_type})" if c.platform.accelerator_type else ""),
+            f"backend:    {self.backend_reason}",
+            f"kv cache:   dtype={c.attention.kv_cache_dtype}, block_size={self.block_size}, "
+            f"prefix caching={c.engine.enable_prefix_caching} "
+            f"({c.engine.prefix_caching_hash_algo}, PYTHONHASHSEED={c.engine.hash_seed})",
+            f"parallel:   TP={c.parallelism.tensor_parallel_size} "
+            f"PP={c.parallelism.pipeline_parallel_size} EP={c.parallelism.enable_expert_parallel}"
+            f" DP-attention={c.parallelism.dp_attention}",
+            f"replicas:   {self.replicas} engine replica(s) (DP), "
+            f"{c.serve.ingress_replicas} router replica(s), policy={c.router.policy}",
+            f"placement:  {self.strategy} {self.bundles} per replica",
+            "env:        " + ", ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
+        ]
+        lines += [f"note:       {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
+           block_size: int) -> list[str]:
+    p: list[str] = []
+    plat, par, att = cfg.platform, cfg.parallelism, cfg.attention
+    if plat.kind not in spec.platforms:
+        p.append(f"attention.backend: {spec.name} runs on {'/'.join(spec.platforms)}, not on "
+                 f"platform.kind={plat.kind!r}; allowed on {plat.kind}: "
+                 + ", ".join(n for n, b in backends.CATALOG.items() if plat.kind in b.platforms))
+    if spec.kind != arch.kind:
+        p.append(f"attention.backend: {spec.name} is an {spec.kind.upper()} backend but the model "
+                 f"uses {arch.kind.upper()}; allowed: "
+                 + ", ".join(n for n, b in backends.CATALOG.items()
+                             if b.kind == arch.kind and plat.kind in b.platforms))
+    if arch.has_sinks and not spec.supports_sinks:
+        p.append(f"attention.backend: the model uses attention sinks and {spec.name} does not "
+                 "support them; allowed: " + ", ".join(
+                     n for n, b in backends.CATALOG.items()
+                     if b.supports_sinks and plat.kind in b.platforms))
+    if spec.head_sizes and arch.head_dim not in spec.head_sizes:
+        p.append(f"attention.backend: {spec.name} supports head sizes {list(spec.head_sizes)}, "
+                 f"the model's head size is {arch.head_dim}")
+    if att.kv_cache_dtype not in spec.kv_dtypes:
+        p.append(f"attention.kv_cache_dtype: {att.kv_cache_dtype!r} is not supported by "
+                 f"{spec.name}; allowed: {', '.join(spec.kv_dtypes)}")
+    if att.kv_cache_dtype.startswith("turboquant_") and spec.name != "TURBOQUANT":
+        p.append("attention.kv_cache_dtype: turboquant_* KV needs attention.backend TURBOQUANT")
+    if not spec.block_size_ok(block_size):
+        p.append(f"attention.block_size: {block_size} is not supported by {spec.name}; "
+                 f"allowed: {spec.allowed_block_sizes()}")
+    tp = par.tensor_parallel_size
+    attn_tp = 1 if par.dp_attention else tp
+    if arch.num_attention_heads % attn_tp:
+        p.append(f"parallelism.tensor_parallel_size: {tp} does not divide the model's "
+                 f"{arch.num_attention_heads} attention heads")
+    if spec.name == "ROCM_AITER_MLA":
+        heads = arch.num_attention_heads // attn_tp if arch.num_attention_heads % attn_tp == 0 \
+            else 0
+        if heads and heads % 16 and 16 % heads:
+            p.append(f"parallelism.tensor_parallel_size: ROCM_AITER_MLA needs heads per GPU to "
+                     f"be a multiple or divisor of 16, got {heads} "
+                     f"({arch.num_attention_heads} heads / TP {attn_tp})")
+    if par.enable_expert_parallel and not arch.is_moe:
+        p.append("parallelism.enable_expert_parallel: the model has no experts (not MoE)")
+    if par.dp_attention and not par.enable_expert_parallel:
+        p.append("parallelism.dp_attention: needs parallelism.enable_expert_parallel=true")
+    a2a = par.all2all_backend or ""
+    if a2a.startswith("mori") and plat.kind != "rocm":
+        p.append(f"parallelism.all2all_backend: {a2a} is AMD's (ROCm only)")
+    if (a2a.startswith("deepep") or a2a == "pplx") and plat.kind != "cuda":
+        p.append(f"parallelism.all2all_backend: {a2a} is CUDA-only; on ROCm use "
+                 "mori_high_throughput, mori_low_latency or allgather_reducescatter")
+    if a2a and not par.enable_expert_parallel:
+        p.append("parallelism.all2all_backend: only used with enable_expert_parallel=true")
+    acc = plat.accelerator_type
+    if acc and ((plat.kind == "rocm" and acc not in _ROCM_ACCELERATORS)
+                or (plat.kind == "cuda" and acc not in _CUDA_ACCELERATORS)
+                or plat.kind == "cpu"):
+        p.append(f"platform.accelerator_type: {acc} does not match platform.kind={plat.kind!r}")
+    if (plat.kind != "cpu" and cfg.serve.placement_strategy == "STRICT_PACK"
+            and par.gpus_per_replica > plat.gpus_per_node):
+        p.append(f"parallelism.tensor_parallel_size: TP×PP={par.gpus_per_replica} GPUs do not "
+                 f"fit one node of platform.gpus_per_node={plat.gpus_per_node} under "
+                 "serve.placement_strategy STRICT_PACK")
+    if plat.kind == "cpu" and par.gpus_per_replica > 1:
+        p.append("parallelism.tensor_parallel_size: rayattn runs CPU engines unsharded (1)")
+    if (cfg.model.max_model_len and cfg.engine.max_num_batched_tokens
+            and not cfg.engine.enable_chunked_prefill
+            and cfg.engine.max_num_batched_tokens < cfg.model.max_model_len):
+        p.append("engine.max_num_batched_tokens: must be ≥ model.max_model_len when "
+                 "enable_chunked_prefill is false")
+    p += _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
+    return p
+
+
+def _check_extra_kwargs(extra: dict[str, Any]) -> list[str]:
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except Exception:  # vLLM absent (e.g. rendering manifests on a laptop): skip the check
+        return []
+    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    return [f"engine.extra_engine_kwargs: {k!r} is not an AsyncEngineArgs field"
+            for k in extra if k not in known]
+
+
+def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
+    arch = lookup(cfg.model, prepare=prepare_model)
+    plat = cfg.platform.kind
+    try:
+        spec, reason = backends.resolve(cfg.attention.backend, plat, arch.kind)
+    except ValueError as e:
+        raise PlanError([str(e)]) from None
+    block_size = cfg.attention.block_size or DEFAULT_BLOCK(plat, spec)
+    problems = _check(cfg, arch, spec, block_size)
+    if problems:
+        raise PlanError(problems)
+
+    notes: list[str] = []
+    env = {**backends.PLATFORM_ENV[plat], **spec.env,
+           "PYTHONHASHSEED": cfg.engine.hash_seed, "VLLM_NO_USAGE_STATS": "1"}
+    if plat == "rocm" and spec.name != "ROCM_AITER_FA":
+        env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
+    env.update(cfg.engine.env)
+    extra_copy = sorted(k for k in env if k.startswith(backends.RAY_EXTRA_ENV_PREFIXES))
+    if extra_copy and cfg.parallelism.gpus_per_replica > 1:
+        env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(extra_copy)
+
+    kwargs = engine_kwargs(cfg, spec, block_size, prepare_model)
+    if plat == "cpu" and arch.is_mla and cfg.attention.backend == "auto":
+        # vLLM picks AMX_MLA itself where the CPU has AMX and CPU_MLA otherwise; forcing
+        # CPU_MLA would turn prefix caching off.
+        kwargs.pop("attention_backend")
+        notes.append("MLA on CPU: vLLM picks AMX_MLA (keeps prefix caching) where the CPU has "
+                     "AMX, else CPU_MLA (no prefix caching, no extend path)")
+    if not cfg.engine.enable_prefix_caching and cfg.router.policy in ("affinity", "ray_prefix"):
+        notes.append("prefix caching is off: the affinity router can only balance load")
+
+    bundles, strategy = placement(cfg)
+    return Plan(cfg, arch, spec, reason, block_size, env, kwargs, bundles, strategy,
+                cfg.parallelism.data_parallel_size, notes)
+
+
+def DEFAULT_BLOCK(platform: str, spec: backends.BackendSpec) -> int:  # noqa: N802
+    default = backends.DEFAULT_BLOCK_SIZE[platform]
+    if spec.block_size_ok(default):
+        return default
+    return spec.block_sizes[0] if spec.block_sizes else spec.block_size_multiple or default
+
+
+def placement(cfg: RayAttnConfig) -> tuple[list[dict[str, float]], str]:
+    """One bundle per GPU (the first also holds the replica actor); CPUs only on `cpu`."""
+    plat = cfg.platform
+    if plat.kind == "cpu":
+        return [{"CPU": plat.cpus_per_engine}], "STRICT_PACK"
+    n = cfg.parallelism.gpus_per_replica
+    bundles: list[dict[str, float]] = [{"GPU": 1.0, "CPU": plat.cpus_per_engine}
+                                       for _ in range(n)]
+    if plat.accelerator_type:
+        # Ray's per-node accelerator resource keeps replicas on the intended GPU model.
+        bundles[0][f"accelerator_type:{plat.accelerator_type}"] = 0.001
+    return bundles, cfg.serve.placement_strategy
+
+
+def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: int,
+                  prepare_model: bool) -> dict[str, Any]:
+    m, e, par = cfg.model, cfg.engine, cfg.parallelism
+    local = local_model_dir(m.source, prepare=prepare_model)
+    tp, dp_inner = par.tensor_parallel_size, 1
+    if par.dp_attention:
+        tp, dp_inner = 1, par.tensor_parallel_size
+    kw: dict[str, Any] = dict(
+        model=str(local) if local else m.source,
+        served_model_name=[m.name],
+        dtype=m.dtype,
+        max_model_len=m.max_model_len,
+        trust_remote_code=m.trust_remote_code,
+        attention_backend=spec.name,
+        kv_cache_dtype=cfg.attention.kv_cache_dtype,
+        block_size=block_size,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=par.pipeline_parallel_size,
+        data_parallel_size=dp_inner,
+        enable_expert_parallel=par.enable_expert_parallel,
+        gpu_memory_utilization=e.gpu_memory_utilization,
+        kv_cache_memory_bytes=e.kv_cache_memory_bytes,
+        max_num_batched_tokens=e.max_num_batched_tokens,
+        max_num_seqs=e.max_num_seqs,
+        enable_prefix_caching=e.enable_prefix_caching,
+        enable_chunked_prefill=e.enable_chunked_prefill,
+        prefix_caching_hash_algo=e.prefix_caching_hash_algo,
+        enforce_eager=e.enforce_eager or cfg.platform.kind == "cpu",
+        # Per-request timings (RequestOutput.metrics) feed the per-path metrics.
+        disable_log_stats=False,
+    )
+    if par.all2all_backend:
+        kw["all2all_backend"] = par.all2all_backend
+    if par.gpus_per_replica > 1 or dp_inner > 1:
+        kw["distributed_executor_backend"] = "ray"
+    kw = {k: v for k, v in kw.items() if v is not None}
+    kw.update(e.extra_engine_kwargs)
+    return kw

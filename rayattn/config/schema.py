@@ -1,0 +1,228 @@
+"""The one configuration model of rayattn.
+
+Every field is documented here and nowhere else: `rayattn check` prints from these models,
+the KubeRay renderer sizes pods from them, and the engine/router read them at start-up. The
+same structure is the `args:` of an application in a Ray Serve config file, so one YAML
+drives `serve run`, `rayattn check` and `rayattn render-k8s`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+
+# Mirrors vllm.config.cache.CacheDType (checked by tests/unit/test_config.py against the
+# installed vLLM) so that `rayattn check` works on machines without vLLM.
+KVCacheDType = Literal[
+    "auto",
+    "float16",
+    "bfloat16",
+    "fp8",
+    "fp8_e4m3",
+    "fp8_e5m2",
+    "fp8_inc",
+    "fp8_ds_mla",
+    "turboquant_k8v4",
+    "turboquant_4bit_nc",
+    "turboquant_k3v4_nc",
+    "turboquant_3bit_nc",
+]
+PrefixCachingHashAlgo = Literal["sha256", "sha256_cbor", "xxhash", "xxhash_cbor"]
+# Subset of vllm.config.parallel.All2AllBackend that makes sense on AMD/NVIDIA datacenter GPUs.
+All2AllBackend = Literal[
+    "allgather_reducescatter",
+    "naive",
+    "mori_high_throughput",
+    "mori_low_latency",
+    "deepep_high_throughput",
+    "deepep_low_latency",
+    "pplx",
+]
+Platform = Literal["rocm", "cuda", "cpu"]
+AcceleratorType = Literal["MI300X", "MI325X", "MI355X", "H100", "H200", "B200"]
+RouterPolicy = Literal["affinity", "round_robin", "power_of_two", "ray_prefix"]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ArchitectureOverride(_Strict):
+    """Architecture facts declared in YAML, used by `rayattn check` when neither the model's
+    config.json nor the built-in table knows the model. Ignored when config.json is found."""
+
+    is_mla: bool = False
+    """True for DeepSeek-style multi-head latent attention (config.json has kv_lora_rank)."""
+    num_attention_heads: PositiveInt
+    """Query heads of one layer."""
+    num_key_value_heads: PositiveInt | None = None
+    """KV heads (GQA); defaults to num_attention_heads."""
+    head_dim: PositiveInt
+    """Per-head dimension used by the attention kernel (576 = 512+64 latent for MLA)."""
+    has_sinks: bool = False
+    """Model uses attention sinks (GPT-OSS); only some backends support them."""
+    is_moe: bool = False
+    """Mixture-of-experts model; expert parallelism applies only to these."""
+
+
+class ModelConfig(_Strict):
+    source: str
+    """Where weights come from: a Hugging Face id (`deepseek-ai/DeepSeek-R1-0528`), a local
+    directory, or an embedded model such as `rayattn://smollm2-135m`."""
+    served_name: str | None = None
+    """Name clients put in `model`; defaults to the last path component of `source`."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
+    """Activation/weight dtype passed to vLLM."""
+    max_model_len: PositiveInt | None = None
+    """Longest prompt + output in tokens; None lets vLLM take the model's limit."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code from the model repository (Kimi-K2 needs it)."""
+    architecture: ArchitectureOverride | None = None
+    """Fallback architecture facts for `rayattn check` (see ArchitectureOverride)."""
+
+    @property
+    def name(self) -> str:
+        return self.served_name or self.source.rstrip("/").split("/")[-1]
+
+
+class AttentionConfig(_Strict):
+    backend: str = "auto"
+    """vLLM attention backend by name (AttentionBackendEnum member) or `auto`. On ROCm, `auto`
+    resolves to ROCM_AITER_FA for MHA and ROCM_AITER_TRITON_MLA for MLA: vLLM's own
+    auto-selection would pick ROCM_ATTN for MHA even with AITER enabled."""
+    kv_cache_dtype: KVCacheDType = "auto"
+    """KV cache storage type: `fp8` halves KV memory; `turboquant_*` are vLLM's 4/3-bit KV."""
+    block_size: PositiveInt | None = None
+    """Tokens per KV block. None takes the backend's default (16 on GPU, 128 on CPU). The
+    router hashes prompts in blocks of exactly this size."""
+
+
+class ParallelismConfig(_Strict):
+    tensor_parallel_size: PositiveInt = 1
+    """GPUs one engine shards each layer across (one placement-group bundle per GPU)."""
+    pipeline_parallel_size: PositiveInt = 1
+    """Pipeline stages per engine; GPUs per engine replica = TP × PP."""
+    data_parallel_size: PositiveInt = 1
+    """Number of independent engine replicas behind the router (rayattn's DP)."""
+    enable_expert_parallel: bool = False
+    """Shard MoE experts across the engine's GPUs instead of tensor-slicing them."""
+    all2all_backend: All2AllBackend | None = None
+    """Expert-parallel all-to-all implementation; `mori_*` are AMD's (ROCm only), `deepep_*`
+    and `pplx` are CUDA-only. None keeps vLLM's default (allgather_reducescatter)."""
+    dp_attention: bool = False
+    """DP-attention (ATOM guide): inside one replica attention runs data-parallel across its
+    GPUs (vLLM data_parallel_size = TP, tensor_parallel_size = 1) while experts stay
+    expert-parallel. Needs enable_expert_parallel and a MoE model."""
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+class EngineConfig(_Strict):
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Fraction of device memory vLLM may use (weights + KV). Ignored when
+    kv_cache_memory_bytes is set."""
+    kv_cache_memory_bytes: PositiveInt | None = None
+    """Exact KV cache size per engine. Required on CPU, where gpu_memory_utilization would
+    mean a fraction of host RAM."""
+    max_num_batched_tokens: PositiveInt | None = None
+    """Token budget of one engine step (prefill chunk size under chunked prefill)."""
+    max_num_seqs: PositiveInt | None = None
+    """Most sequences scheduled in one step."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prefixes. The router's affinity only pays off with it on."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts across steps so decodes are not starved."""
+    prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
+    """Block hash function; the router uses the same one to predict cache hits."""
+    enforce_eager: bool = False
+    """Skip CUDA/HIP graph capture (and torch.compile). On CPU it cuts start-up with no loss."""
+    hash_seed: str = "0"
+    """PYTHONHASHSEED of every engine and router process: block hashes (and KV events) only
+    agree across processes when it is the same."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra environment for the engine processes, on top of what the backend needs."""
+    extra_engine_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Passed verbatim to vLLM's AsyncEngineArgs (escape hatch for flags rayattn does not
+    model); keys are validated against AsyncEngineArgs when vLLM is installed."""
+
+
+class PlatformConfig(_Strict):
+    kind: Platform = "rocm"
+    """Accelerator platform the engines run on."""
+    accelerator_type: AcceleratorType | None = None
+    """Node GPU model; becomes Ray's `accelerator_type:<X>` resource so replicas land on the
+    right nodes, and picks KubeRay node selectors."""
+    gpus_per_node: PositiveInt = 8
+    """GPUs per node (8 on MI300X/MI325X/MI355X platforms); sizes KubeRay worker pods."""
+    cpus_per_engine: float = Field(1.0, gt=0)
+    """CPUs reserved per engine replica on `cpu` (the engine itself) or per bundle on GPUs."""
+
+
+class RouterConfig(_Strict):
+    policy: RouterPolicy = "affinity"
+    """How the ingress picks an engine replica: `affinity` (predicted-TTFT cost over a token
+    block index), `round_robin`, `power_of_two` (least in-flight of two random), `ray_prefix`
+    (a text prefix tree like Ray Serve LLM's PrefixCacheAffinityRouter, for comparison)."""
+    load_epsilon: float = Field(0.5, ge=0)
+    """Bounded-load guard: no replica takes a request while its in-flight count exceeds
+    (1 + ε) × the mean (+1), whatever its cache holds."""
+    prefill_s_per_token: float = Field(2e-4, gt=0)
+    """Initial cost of prefilling one token; refitted online from engine timings."""
+    extend_s_per_context_token: float = Field(1e-6, ge=0)
+    """Initial cost per cached context token an extend attends to; refitted online."""
+    decode_s_per_request: float = Field(5e-3, ge=0)
+    """Cost an in-flight decode adds to a new request's wait."""
+    session_header: str = "x-session-id"
+    """Request header whose value ties a conversation to one replica when costs are close."""
+    max_retries: PositiveInt = 2
+    """Times a request that failed before producing output is retried on another replica."""
+    max_inflight: PositiveInt = 256
+    """Admission limit of one ingress replica; beyond it requests get 429 + Retry-After."""
+    request_timeout_s: float = Field(300, gt=0)
+    """Upper bound on one request; the engine request is aborted when it passes."""
+    max_body_bytes: PositiveInt = 4 * 1024 * 1024
+    """Largest accepted request body (413 beyond)."""
+    ray_prefix_match_rate_threshold: float = Field(0.1, ge=0, le=1)
+    """`ray_prefix` policy: minimum matched fraction before affinity is used (Ray's default)."""
+    ray_prefix_imbalanced_threshold: int = Field(10, ge=0)
+    """`ray_prefix` policy: max-min queue gap beyond which it falls back to power-of-two."""
+
+
+class ServeSettings(_Strict):
+    max_ongoing_requests: PositiveInt = 64
+    """Requests one engine replica accepts at once; more wait in the router."""
+    ingress_replicas: PositiveInt = 1
+    """Router (ingress) replicas. Several independent routers agree on affinity via
+    rendezvous tie-breaking on the prefix hash (see docs)."""
+    ingress_autoscaling: dict[str, Any] | None = None
+    """Ray Serve autoscaling_config for the ingress (engines are sized by DP instead)."""
+    ray_actor_options: dict[str, Any] = Field(default_factory=dict)
+    """Extra Ray actor options for engine replicas (runtime_env, resources, …)."""
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
+    """How one engine's bundles are placed; STRICT_PACK keeps TP on one node."""
+    health_check_period_s: float = Field(10, gt=0)
+    """How often Serve checks each engine replica (engine liveness, not only the actor)."""
+
+
+class RayAttnConfig(_Strict):
+    """Root of the `args:` of a rayattn Serve application."""
+
+    model: ModelConfig
+    attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
+    platform: PlatformConfig = Field(default_factory=PlatformConfig)
+    router: RouterConfig = Field(default_factory=RouterConfig)
+    serve: ServeSettings = Field(default_factory=ServeSettings)
+
+    @model_validator(mode="after")
+    def _cpu_needs_kv_bytes(self) -> RayAttnConfig:
+        if self.platform.kind == "cpu" and self.engine.kv_cache_memory_bytes is None:
+            raise ValueError(
+                "engine.kv_cache_memory_bytes: required when platform.kind is 'cpu' "
+                "(gpu_memory_utilization would reserve a fraction of host RAM)"
+            )
+        return self

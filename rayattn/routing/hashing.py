@@ -1,0 +1,43 @@
+"""Block hashes keyed exactly like vLLM's prefix cache.
+
+We call vLLM's own `hash_block_tokens` with the engines' hash function and the same
+PYTHONHASHSEED-derived NONE_HASH, so a block the router indexes is the block the engine
+caches (tests/unit/test_hashing.py checks parity with vLLM's request block hasher). Index keys
+are the first 8 bytes of the hash as an int: compact, and the same truncation vLLM's KV
+events use, so precise mode can feed the same index.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+
+class BlockHasher:
+    def __init__(self, block_size: int, algo: str = "sha256", seed: str = "0"):
+        # vLLM derives NONE_HASH from PYTHONHASHSEED; it must equal the engines' seed.
+        os.environ["PYTHONHASHSEED"] = seed
+        from vllm.utils.hashing import get_hash_fn_by_name
+        from vllm.v1.core import kv_cache_utils
+
+        self.block_size = block_size
+        self._hash_fn = get_hash_fn_by_name(algo)
+        kv_cache_utils.init_none_hash(self._hash_fn)
+        self._hash_block = kv_cache_utils.hash_block_tokens
+
+    def full_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
+        """vLLM BlockHash values of every full block of `token_ids`, chained."""
+        out: list[bytes] = []
+        parent = None
+        bs = self.block_size
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            parent = self._hash_block(self._hash_fn, parent, token_ids[start:start + bs], None)
+            out.append(parent)
+        return out
+
+    def keys(self, token_ids: Sequence[int]) -> list[int]:
+        return [to_key(h) for h in self.full_hashes(token_ids)]
+
+
+def to_key(block_hash: bytes) -> int:
+    return int.from_bytes(block_hash[:8], "big")

@@ -1,0 +1,233 @@
+"""Routing policies. Each takes the request's block keys and the live replicas and returns a
+Decision; the same objects run in the ingress, the simulator and the unit tests.
+
+`affinity` minimises a predicted time to first token:
+
+    cost(r) = wait(r) + uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
+    wait(r) = pending_prefill_tokens(r) × c_prefill + inflight(r) × c_decode
+
+subject to a bounded-load guard (inflight(r) + 1 ≤ ⌈(1+ε)(total+1)/n⌉), so affinity can
+never build a hot spot. Near-ties go to the conversation's session owner, then to the
+replica ranked first by rendezvous hashing of the prefix's first block: independent router
+replicas and followers of a re-homed prefix agree without talking to each other.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import random
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+from rayattn.routing.load import LoadTracker
+from rayattn.routing.prefix_index import PrefixIndex
+from rayattn.routing.text_tree import TextPrefixTree
+
+
+@dataclass
+class RouteRequest:
+    keys: list[int]
+    """Block keys of the prompt (full blocks only)."""
+    prompt_tokens: int
+    affinity_key: int
+    """Stable per-prefix key for tie-breaking (the first block's key, or a hash of the prompt
+    head for prompts shorter than one block)."""
+    session: str | None = None
+    text: str = ""
+    """Prompt text; only the `ray_prefix` comparison policy looks at it."""
+
+
+@dataclass
+class Decision:
+    replica: str
+    reason: str
+    predicted_cached_tokens: int
+    costs: dict[str, float] = field(default_factory=dict)
+
+
+def rendezvous_rank(key: int, replicas: list[str]) -> list[str]:
+    """Highest-random-weight order: removing a replica only moves the keys it owned."""
+    def weight(r: str) -> bytes:
+        return hashlib.blake2b(f"{key}:{r}".encode(), digest_size=8).digest()
+    return sorted(replicas, key=weight, reverse=True)
+
+
+@dataclass
+class CostModel:
+    prefill_s_per_token: float
+    ctx_s_per_token: float
+    decode_s_per_request: float
+    alpha: float = 0.2
+
+    def observe_prefill(self, computed_tokens: int, cached_tokens: int, seconds: float) -> None:
+        """Refit c_prefill from an engine-reported prefill time (EWMA, outliers clipped)."""
+        if computed_tokens < 16 or seconds <= 0:
+            return
+        ctx = cached_tokens * self.ctx_s_per_token
+        per_tok = max(seconds - ctx, seconds * 0.1) / computed_tokens
+        per_tok = min(per_tok, self.prefill_s_per_token * 10)
+        self.prefill_s_per_token += self.alpha * (per_tok - self.prefill_s_per_token)
+
+
+class Policy:
+    name = "base"
+
+    def __init__(self, index: PrefixIndex, load: LoadTracker, block_size: int):
+        self.index, self.load, self.block_size = index, load, block_size
+
+    def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
+        raise NotImplementedError
+
+    def on_dispatch(self, replica: str, req: RouteRequest) -> None:
+        """Called once the request is sent; affinity inserts speculatively so followers that
+        arrive before this one finishes already find the prefix."""
+
+    def on_complete(self, replica: str, keys: list[int]) -> None:
+        self.index.insert(replica, keys)
+
+    def forget_replica(self, replica: str) -> None:
+        pass
+
+
+class RoundRobin(Policy):
+    name = "round_robin"
+
+    def __init__(self, *a, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._next = 0
+
+    def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
+        r = replicas[self._next % len(replicas)]
+        self._next += 1
+        return Decision(r, "round_robin", self._predicted(req, r))
+
+    def _predicted(self, req: RouteRequest, r: str) -> int:
+        return self.index.match(req.keys).get(r, 0) * self.block_size
+
+
+class PowerOfTwo(RoundRobin):
+    name = "power_of_two"
+
+    def __init__(self, *a, seed: int | None = None, **kw) -> None:
+        super().__init__(*a, **kw)
+        self._rng = random.Random(seed)
+
+    def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
+        pair = self._rng.sample(replicas, min(2, len(replicas)))
+        r = min(pair, key=lambda x: self.load.inflight[x])
+        return Decision(r, "power_of_two", self._predicted(req, r))
+
+
+class Affinity(Policy):
+    name = "affinity"
+
+    def __init__(self, index: PrefixIndex, load: LoadTracker, block_size: int, *,
+                 cost: CostModel, epsilon: float, max_sessions: int = 100_000) -> None:
+        super().__init__(index, load, block_size)
+        self.cost, self.epsilon = cost, epsilon
+        self._sessions: OrderedDict[str, str] = OrderedDict()
+        self._max_sessions = max_sessions
+
+    def capacity(self, replicas: list[str]) -> int:
+        total = sum(self.load.inflight[r] for r in replicas)
+        return math.ceil((1 + self.epsilon) * (total + 1) / len(replicas))
+
+    def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
+        matches = self.index.match(req.keys)
+        cap = self.capacity(replicas)
+        allowed = [r for r in replicas if self.load.inflight[r] + 1 <= cap] or replicas
+        c = self.cost
+        costs: dict[str, float] = {}
+        for r in allowed:
+            cached = min(matches.get(r, 0) * self.block_size, req.prompt_tokens - 1)
+            cached = max(cached, 0)
+            wait = (self.load.pending_prefill[r] * c.prefill_s_per_token
+                    + self.load.inflight[r] * c.decode_s_per_request)
+            costs[r] = (wait + (req.prompt_tokens - cached) * c.prefill_s_per_token
+                        + cached * c.ctx_s_per_token)
+        best = min(costs.values())
+        # Costs within a few percent are indistinguishable given the model's error; decide
+        # those deterministically so conversations and independent routers stay put.
+        tol = max(best * 0.05, c.decode_s_per_request * 0.5)
+        near = [r for r, v in costs.items() if v <= best + tol]
+        owner = self._sessions.get(req.session) if req.session else None
+        if owner in near and len(near) > 1:
+            chosen, reason = owner, "session"
+        else:
+            chosen = rendezvous_rank(req.affinity_key, near)[0] if len(near) > 1 else near[0]
+            reason = "affinity_hit" if matches.get(chosen) else "cold"
+        best_cached = max(matches, key=lambda r: matches[r]) if matches else None
+        if best_cached is not None and best_cached not in allowed:
+            reason = "load_guard"
+        if req.session:
+            self._sessions[req.session] = chosen
+            self._sessions.move_to_end(req.session)
+            if len(self._sessions) > self._max_sessions:
+                self._sessions.popitem(last=False)
+        predicted = min(matches.get(chosen, 0) * self.block_size, max(req.prompt_tokens - 1, 0))
+        return Decision(chosen, reason, predicted, costs)
+
+    def on_dispatch(self, replica: str, req: RouteRequest) -> None:
+        self.index.insert(replica, req.keys)
+
+    def forget_replica(self, replica: str) -> None:
+        for s in [s for s, r in self._sessions.items() if r == replica]:
+            del self._sessions[s]
+
+
+class RayPrefix(PowerOfTwo):
+    """Ray Serve LLM's PrefixCacheAffinityRouter, reproduced for comparison on the same
+    engines: a character prefix tree over the prompt text (no chat template), affinity only
+    when the match rate passes a threshold and the fleet is balanced within an absolute
+    gap, else power-of-two; prompt text inserted at routing, responses never."""
+
+    name = "ray_prefix"
+
+    def __init__(self, *a, match_rate_threshold: float = 0.1,
+                 imbalanced_threshold: int = 10, **kw) -> None:
+        super().__init__(*a, **kw)
+        self.tree = TextPrefixTree()
+        self.match_rate_threshold = match_rate_threshold
+        self.imbalanced_threshold = imbalanced_threshold
+
+    def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
+        loads = [self.load.inflight[r] for r in replicas]
+        if max(loads) - min(loads) <= self.imbalanced_threshold and req.text:
+            matched, owners = self.tree.longest_match(req.text, set(replicas))
+            if owners and matched / len(req.text) >= self.match_rate_threshold:
+                r = min(owners, key=lambda x: self.load.inflight[x])
+                return Decision(r, "affinity_hit", self._predicted(req, r))
+        d = super().choose(req, replicas)
+        d.reason = "power_of_two"
+        return d
+
+    def on_dispatch(self, replica: str, req: RouteRequest) -> None:
+        if req.text:
+            self.tree.insert(req.text, replica)
+
+    def forget_replica(self, replica: str) -> None:
+        self.tree.remove_tenant(replica)
+
+
+POLICIES = {p.name: p for p in (Affinity, RoundRobin, PowerOfTwo, RayPrefix)}
+
+
+def make_policy(name: str, index: PrefixIndex, load: LoadTracker, block_size: int,
+                router_cfg=None, seed: int | None = None) -> Policy:
+    from rayattn.config.schema import RouterConfig
+
+    rc = router_cfg or RouterConfig()
+    if name == "affinity":
+        cost = CostModel(rc.prefill_s_per_token, rc.extend_s_per_context_token,
+                         rc.decode_s_per_request)
+        return Affinity(index, load, block_size, cost=cost, epsilon=rc.load_epsilon)
+    if name == "round_robin":
+        return RoundRobin(index, load, block_size)
+    if name == "power_of_two":
+        return PowerOfTwo(index, load, block_size, seed=seed)
+    if name == "ray_prefix":
+        return RayPrefix(index, load, block_size, seed=seed,
+                         match_rate_threshold=rc.ray_prefix_match_rate_threshold,
+                         imbalanced_threshold=rc.ray_prefix_imbalanced_threshold)
+    raise ValueError(f"router.policy: unknown policy {name!r}; allowed: {', '.join(POLICIES)}")

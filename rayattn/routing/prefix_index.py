@@ -1,0 +1,108 @@
+"""Which replica holds which prefix blocks: an inverted index (block key -> replicas) plus a
+per-replica LRU bounded by that replica's real KV capacity.
+
+Capacity mirrors the engine (num_gpu_blocks it reported), so the index forgets blocks about
+when the engine evicts them instead of believing in a cache it no longer has. Chains are
+touched tail-first so the head of a prefix is the most recently used, as vLLM frees a
+finished request's blocks tail-first (tails are evicted first).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+
+class PrefixIndex:
+    def __init__(self) -> None:
+        self._owners: dict[int, set[str]] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._capacity: dict[str, int] = {}
+
+    # --- membership ----------------------------------------------------------------
+    def add_replica(self, replica: str, capacity_blocks: int) -> None:
+        """A new replica starts empty (its engine's cache is empty too)."""
+        self._lru.setdefault(replica, OrderedDict())
+        self._capacity[replica] = max(1, capacity_blocks)
+        self._evict(replica)
+
+    def remove_replica(self, replica: str) -> None:
+        """Forget everything a dead or removed replica held."""
+        for key in self._lru.pop(replica, {}):
+            owners = self._owners.get(key)
+            if owners is not None:
+                owners.discard(replica)
+                if not owners:
+                    del self._owners[key]
+        self._capacity.pop(replica, None)
+
+    @property
+    def replicas(self) -> list[str]:
+        return list(self._lru)
+
+    def size(self, replica: str) -> int:
+        return len(self._lru.get(replica, ()))
+
+    def capacity(self, replica: str) -> int:
+        return self._capacity.get(replica, 0)
+
+    # --- queries -------------------------------------------------------------------
+    def match(self, keys: Sequence[int]) -> dict[str, int]:
+        """Number of leading blocks of `keys` each replica holds (replicas with 0 omitted).
+
+        Walks the chain once, intersecting owner sets, so the cost is O(blocks matched)
+        rather than O(replicas × blocks)."""
+        result: dict[str, int] = {}
+        if not keys:
+            return result
+        alive = self._owners.get(keys[0])
+        if not alive:
+            return result
+        alive = set(alive)
+        for i in range(1, len(keys)):
+            owners = self._owners.get(keys[i])
+            nxt = alive & owners if owners else set()
+            for r in alive - nxt:
+                result[r] = i
+            alive = nxt
+            if not alive:
+                break
+        for r in alive:
+            result[r] = len(keys)
+        return result
+
+    # --- updates -------------------------------------------------------------------
+    def insert(self, replica: str, keys: Sequence[int]) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            return  # replica removed while the request was in flight
+        for key in reversed(keys):
+            if key in lru:
+                lru.move_to_end(key)
+            else:
+                lru[key] = None
+                self._owners.setdefault(key, set()).add(replica)
+        self._evict(replica)
+
+    def remove_blocks(self, replica: str, keys: Sequence[int]) -> None:
+        """Precise mode: the engine reported these blocks evicted."""
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        for key in keys:
+            if key in lru:
+                del lru[key]
+                self._drop_owner(key, replica)
+
+    def _evict(self, replica: str) -> None:
+        lru, cap = self._lru[replica], self._capacity[replica]
+        while len(lru) > cap:
+            key, _ = lru.popitem(last=False)
+            self._drop_owner(key, replica)
+
+    def _drop_owner(self, key: int, replica: str) -> None:
+        owners = self._owners.get(key)
+        if owners is not None:
+            owners.discard(replica)
+            if not owners:
+                del self._owners[key]

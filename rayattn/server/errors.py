@@ -1,0 +1,36 @@
+"""OpenAI-style error responses: {"error": {"message", "type", "param", "code"}}."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+from pydantic import ValidationError
+
+_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 retry_after: int | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.retry_after = (
+            status, message, param, retry_after)
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
+                          "param": self.param, "code": self.status}}
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def from_validation(err: ValidationError) -> APIError:
+    first = err.errors()[0]
+    where = ".".join(str(p) for p in first["loc"])
+    msg = first["msg"]
+    if first["type"] == "extra_forbidden":
+        msg = "unknown parameter"
+    detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
+                       for e in err.errors()[:5])
+    return APIError(400, f"{where}: {msg} ({detail})", param=where)

@@ -1,0 +1,230 @@
+"""The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from rayattn.config.architecture import local_model_dir
+from rayattn.config.loader import parse_args
+from rayattn.config.plan import build_plan
+from rayattn.engine.protocol import GenerateRequest
+from rayattn.routing.policies import Decision
+from rayattn.server.dispatch import Dispatcher, EngineFailure
+from rayattn.server.errors import APIError, from_validation
+from rayattn.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
+from rayattn.server.templating import Templater
+
+log = logging.getLogger("rayattn.ingress")
+app = FastAPI(title="rayattn", version="0.1.0")
+
+
+class Ingress:
+    def __init__(self, args: dict[str, Any], engines: list[Any],
+                 policy: str | None = None) -> None:
+        self.cfg = parse_args(args)
+        plan = build_plan(self.cfg, prepare_model=True)
+        self.model_name = self.cfg.model.name
+        self.max_model_len = self.cfg.model.max_model_len or 0
+        src = local_model_dir(self.cfg.model.source, prepare=True) or self.cfg.model.source
+        self.templater = Templater(src, self.cfg.model.trust_remote_code)
+        names = {f"engine-{i}": h for i, h in enumerate(engines)}
+        self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
+
+    # --- plumbing -----------------------------------------------------------------------
+    async def _body(self, request: Request, model_cls: type) -> Any:
+        raw = await request.body()
+        if len(raw) > self.cfg.router.max_body_bytes:
+            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
+                                f"{self.cfg.router.max_body_bytes}")
+        try:
+            data = json.loads(raw)
+        except (ValueError, RecursionError) as e:
+            raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
+        if not isinstance(data, dict):
+            raise APIError(400, "request body must be a JSON object")
+        bad = sorted(UNSUPPORTED & data.keys())
+        if bad:
+            raise APIError(400, f"{bad[0]}: unsupported parameter", param=bad[0])
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise from_validation(e) from None
+        except RecursionError:
+            raise APIError(400, "request body nested too deeply") from None
+        if body.model != self.model_name:
+            raise APIError(404, f"model {body.model!r} does not exist; served: "
+                                f"{self.model_name!r}", param="model")
+        return body
+
+    def _limits(self, prompt: list[int], body: Any) -> int:
+        limit = self.max_model_len or self._engine_max_len()
+        if len(prompt) >= limit:
+            raise APIError(400, f"prompt is {len(prompt)} tokens, which does not fit the "
+                                f"model's maximum context length of {limit} tokens "
+                                "(max_model_len)", param="messages")
+        room = limit - len(prompt)
+        want = body.output_limit
+        if want is not None and want > room:
+            raise APIError(400, f"max_tokens={want} plus the {len(prompt)}-token prompt "
+                                f"exceeds the maximum context length of {limit} tokens",
+                           param="max_tokens")
+        bad = [t for t in prompt if not 0 <= t < self.templater.vocab_size] \
+            if isinstance(getattr(body, "prompt", None), list) else []
+        if bad:
+            raise APIError(400, f"prompt holds token id {bad[0]} outside the vocabulary "
+                                f"(0..{self.templater.vocab_size - 1})", param="prompt")
+        return want or room
+
+    def _engine_max_len(self) -> int:
+        for s in self.dispatcher.engines.values():
+            if s.info:
+                return s.info["max_model_len"]
+        return 2**31
+
+    async def handle(self, request: Request, kind: str) -> Response:
+        t0 = time.time()
+        try:
+            await self.dispatcher.start()
+            body = await self._body(request, ChatCompletionRequest if kind == "chat"
+                                    else CompletionRequest)
+            self.dispatcher.admit()
+            if kind == "chat":
+                messages = [m.model_dump(exclude_none=True) for m in body.messages]
+                for m, orig in zip(messages, body.messages, strict=True):
+                    m["content"] = orig.text()
+                if not any(m["content"] for m in messages):
+                    raise APIError(400, "messages: all messages are empty", param="messages")
+                prompt = await asyncio.to_thread(self.templater.chat, messages)
+                text = "\n".join(m["content"] for m in messages)
+            else:
+                if isinstance(body.prompt, str) and not body.prompt:
+                    raise APIError(400, "prompt: empty", param="prompt")
+                prompt = await asyncio.to_thread(self.templater.completion, body.prompt)
+                text = body.prompt if isinstance(body.prompt, str) else ""
+            max_tokens = self._limits(prompt, body)
+        except APIError as e:
+            return e.response()
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
+        greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens))
+        route = self.dispatcher.route_request(
+            prompt, request.headers.get(self.cfg.router.session_header), text)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(self._sse(kind, rid, int(t0), greq, route, include_usage),
+                                     media_type="text/event-stream")
+        return await self._complete(kind, rid, int(t0), greq, route)
+
+    async def _complete(self, kind: str, rid: str, created: int, greq: GenerateRequest,
+                        route: Any) -> Response:
+        text, last, decision = [], None, None
+        try:
+            async with asyncio.timeout(self.cfg.router.request_timeout_s):
+                for attempt in range(1 + self.cfg.router.max_retries):
+                    text, last = [], None
+                    try:
+                        async for chunk, d in self.dispatcher.generate(greq, route):
+                            text.append(chunk.text)
+                            last, decision = chunk, d
+                        break
+                    except EngineFailure as e:
+                        # Nothing reached the client yet, so a fresh attempt is safe.
+                        if attempt == self.cfg.router.max_retries:
+                            return APIError(503, f"engine failure: {e}", retry_after=2) \
+                                .response()
+        except APIError as e:
+            return e.response()
+        except TimeoutError:
+            return APIError(504, f"request exceeded {self.cfg.router.request_timeout_s}s")\
+                .response()
+        assert last is not None and decision is not None
+        content = "".join(text)
+        if kind == "chat":
+            choice = {"index": 0, "message": {"role": "assistant", "content": content},
+                      "finish_reason": last.finish_reason, "logprobs": None}
+        else:
+            choice = {"index": 0, "text": content, "finish_reason": last.finish_reason,
+                      "logprobs": None}
+        return JSONResponse({
+            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created, "model": self.model_name, "choices": [choice],
+            "usage": _usage(last), "rayattn": _ext(last, decision)},
+            headers={"x-rayattn-replica": decision.replica})
+
+    async def _sse(self, kind: str, rid: str, created: int, greq: GenerateRequest, route: Any,
+                   include_usage: bool) -> AsyncIterator[str]:
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        first = True
+        last, decision = None, None
+
+        def event(payload: dict) -> str:
+            return f"data: {json.dumps(payload)}\n\n"
+
+        try:
+            async with asyncio.timeout(self.cfg.router.request_timeout_s):
+                async for chunk, decision in self.dispatcher.generate(greq, route):
+                    last = chunk
+                    if kind == "chat":
+                        delta: dict[str, Any] = {"content": chunk.text}
+                        if first:
+                            delta["role"] = "assistant"
+                        choice = {"index": 0, "delta": delta,
+                                  "finish_reason": chunk.finish_reason, "logprobs": None}
+                    else:
+                        choice = {"index": 0, "text": chunk.text,
+                                  "finish_reason": chunk.finish_reason, "logprobs": None}
+                    first = False
+                    payload = {"id": rid, "object": obj, "created": created,
+                               "model": self.model_name, "choices": [choice]}
+                    if chunk.finish_reason is not None:
+                        payload["rayattn"] = _ext(chunk, decision)
+                    yield event(payload)
+            if include_usage and last is not None:
+                yield event({"id": rid, "object": obj, "created": created,
+                             "model": self.model_name, "choices": [], "usage": _usage(last)})
+            yield "data: [DONE]\n\n"
+        except APIError as e:
+            yield event(e.body())
+            yield "data: [DONE]\n\n"
+        except EngineFailure as e:
+            yield event(APIError(503, f"engine failure mid-stream: {e}").body())
+            yield "data: [DONE]\n\n"
+        except TimeoutError:
+            yield event(APIError(504, "request timed out").body())
+            yield "data: [DONE]\n\n"
+
+    def models(self) -> dict:
+        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
+                                            "created": 0, "owned_by": "rayattn"}]}
+
+    async def health(self) -> Response:
+        await self.dispatcher.start()
+        live = self.dispatcher.live()
+        body = {"status": "ok" if live else "unavailable", "replicas_up": live,
+                "replicas": len(self.dispatcher.engines), "policy": self.dispatcher.policy.name,
+                "counts": self.dispatcher.counts}
+        if not live:
+            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
+        return JSONResponse(body)
+
+
+def _usage(last: Any) -> dict:
+    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
+            "total_tokens": last.prompt_tokens + last.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
+
+
+def _ext(last: Any, d: Decision) -> dict:
+    t = last.timings or {}
+    return {"replica": d.replica, "route_reason": d.reason,
+            "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
+            "engine_ttft_s": t.get("ttft_s")}
