@@ -47,6 +47,10 @@ class Router(Ingress):
     async def list_models(self):
         return self.models()
 
+    @app.post("/admin/reset")
+    async def reset(self, request: Request):
+        return await self.admin_reset(request)
+
     @app.get("/health")
     async def health_check(self):
         return await self.health()

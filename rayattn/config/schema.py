@@ -185,6 +185,9 @@ class RouterConfig(_Strict):
     """Upper bound on one request; the engine request is aborted when it passes."""
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest accepted request body (413 beyond)."""
+    admin_api: bool = False
+    """Expose POST /admin/reset (clear engine prefix caches and the index, switch policy) so
+    one benchmark run can compare policies on the same engines. Keep off in production."""
     ray_prefix_match_rate_threshold: float = Field(0.1, ge=0, le=1)
     """`ray_prefix` policy: minimum matched fraction before affinity is used (Ray's default)."""
     ray_prefix_imbalanced_threshold: int = Field(10, ge=0)
@@ -211,12 +214,19 @@ class RayAttnConfig(_Strict):
     """Root of the `args:` of a rayattn Serve application."""
 
     model: ModelConfig
+    """Which model to serve and how to load it."""
     attention: AttentionConfig = Field(default_factory=AttentionConfig)
+    """Attention backend and KV cache layout."""
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    """TP / PP / EP inside a replica, and the number of replicas (DP)."""
     engine: EngineConfig = Field(default_factory=EngineConfig)
+    """vLLM engine settings."""
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
+    """Where the engines run."""
     router: RouterConfig = Field(default_factory=RouterConfig)
+    """The ingress router: policy, thresholds, limits."""
     serve: ServeSettings = Field(default_factory=ServeSettings)
+    """Ray Serve deployment settings."""
 
     @model_validator(mode="after")
     def _cpu_needs_kv_bytes(self) -> RayAttnConfig:

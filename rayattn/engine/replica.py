@@ -78,6 +78,10 @@ class EngineReplica:
         # actor with a dead engine core must count as unhealthy.
         await self.engine.check_health()
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache (benchmarks compare policies from the same cold start)."""
+        return bool(await self.engine.reset_prefix_cache())
+
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt

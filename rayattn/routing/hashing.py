@@ -9,26 +9,26 @@ events use, so precise mode can feed the same index.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 
 class BlockHasher:
     def __init__(self, block_size: int, algo: str = "sha256", seed: str = "0"):
-        # vLLM derives NONE_HASH from PYTHONHASHSEED; it must equal the engines' seed.
-        os.environ["PYTHONHASHSEED"] = seed
         from vllm.utils.hashing import get_hash_fn_by_name
         from vllm.v1.core import kv_cache_utils
 
         self.block_size = block_size
         self._hash_fn = get_hash_fn_by_name(algo)
-        kv_cache_utils.init_none_hash(self._hash_fn)
+        # vLLM's first block chains from NONE_HASH = hash_fn(PYTHONHASHSEED of the engine).
+        # We hold our own instead of vLLM's module global so several hashers (policies in
+        # the simulator, tests) can coexist in one process.
+        self._none_hash = self._hash_fn(seed)
         self._hash_block = kv_cache_utils.hash_block_tokens
 
     def full_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
         """vLLM BlockHash values of every full block of `token_ids`, chained."""
         out: list[bytes] = []
-        parent = None
+        parent = self._none_hash
         bs = self.block_size
         for start in range(0, len(token_ids) - bs + 1, bs):
             parent = self._hash_block(self._hash_fn, parent, token_ids[start:start + bs], None)

@@ -107,6 +107,22 @@ class Dispatcher:
             self.policy.forget_replica(s.name)
         s.up = False
 
+    async def reset(self, policy: str | None = None) -> str:
+        """Cold-start every engine's prefix cache and the router's index; optionally switch
+        policy. Used by benchmarks to compare policies on the same engines in one run."""
+        await asyncio.gather(*(s.handle.reset_prefix_cache.remote()
+                               for s in self.engines.values() if s.up))
+        for s in self.engines.values():
+            if s.up:
+                self.index.remove_replica(s.name)
+                self.index.add_replica(s.name, s.info["num_gpu_blocks"])
+        if policy and policy != self.policy.name:
+            self.policy = make_policy(policy, self.index, self.load, self.hasher.block_size,
+                                      self.cfg.router)
+            if self.metrics is not None:
+                self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
+        return self.policy.name
+
     # --- routing ------------------------------------------------------------------------
     def route_request(self, token_ids: list[int], session: str | None, text: str) -> RouteRequest:
         keys = self.hasher.keys(token_ids)

@@ -202,6 +202,17 @@ class Ingress:
             yield event(APIError(504, "request timed out").body())
             yield "data: [DONE]\n\n"
 
+    async def admin_reset(self, request: Request) -> Response:
+        if not self.cfg.router.admin_api:
+            return APIError(404, "admin API disabled (router.admin_api)").response()
+        await self.dispatcher.start()
+        try:
+            data = json.loads(await request.body() or b"{}")
+            policy = await self.dispatcher.reset(data.get("policy"))
+        except ValueError as e:
+            return APIError(400, str(e), param="policy").response()
+        return JSONResponse({"policy": policy, "replicas_up": self.dispatcher.live()})
+
     def models(self) -> dict:
         return {"object": "list", "data": [{"id": self.model_name, "object": "model",
                                             "created": 0, "owned_by": "rayattn"}]}

@@ -1,0 +1,176 @@
+"""Config model and `rayattn check`: valid deployments pass, impossible combinations are
+rejected with a message naming the field."""
+
+from __future__ import annotations
+
+import copy
+import typing
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rayattn.cli import main
+from rayattn.config.loader import ConfigError, parse_args
+from rayattn.config.plan import PlanError, build_plan
+from rayattn.config.schema import KVCacheDType, PrefixCachingHashAlgo
+
+ROOT = Path(__file__).resolve().parents[2]
+DEPLOYMENTS = sorted((ROOT / "deployments").glob("*.yaml"))
+
+
+def _args(name: str) -> dict:
+    return yaml.safe_load((ROOT / "deployments" / name).read_text())["applications"][0]["args"]
+
+
+def test_every_deployment_passes_check(capsys):
+    assert len(DEPLOYMENTS) >= 4
+    assert main(["check", *map(str, DEPLOYMENTS)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(": OK") == len(DEPLOYMENTS)
+    assert "ROCM_AITER_TRITON_MLA" in out and "ROCM_AITER_FA" in out and "CPU_ATTN" in out
+
+
+def test_auto_resolves_to_seed_recommendation_and_says_so():
+    args = _args("llama.yaml")
+    args["attention"]["backend"] = "auto"
+    plan = build_plan(parse_args(args))
+    assert plan.backend.name == "ROCM_AITER_FA"
+    assert "auto -> ROCM_AITER_FA" in plan.backend_reason
+    args = _args("deepseek.yaml")
+    args["attention"]["backend"] = "auto"
+    assert build_plan(parse_args(args)).backend.name == "ROCM_AITER_TRITON_MLA"
+
+
+def test_plan_env_and_placement_for_rocm_tp8():
+    plan = build_plan(parse_args(_args("deepseek.yaml")))
+    assert plan.env["VLLM_ROCM_USE_AITER"] == "1"
+    assert plan.env["VLLM_ROCM_USE_AITER_MLA"] == "1"
+    assert plan.env["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"] == "1"
+    assert "HIP_FORCE_DEV_KERNARG" in plan.env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"]
+    assert len(plan.bundles) == 8 and all(b["GPU"] == 1 for b in plan.bundles)
+    assert plan.engine_kwargs["attention_backend"] == "ROCM_AITER_TRITON_MLA"
+    assert plan.engine_kwargs["distributed_executor_backend"] == "ray"
+    assert plan.engine_kwargs["kv_cache_dtype"] == "fp8"
+
+
+def test_dp_attention_maps_to_vllm_dp_inside_replica():
+    args = _args("deepseek.yaml")
+    args["parallelism"].update(enable_expert_parallel=True, dp_attention=True)
+    kw = build_plan(parse_args(args)).engine_kwargs
+    assert (kw["tensor_parallel_size"], kw["data_parallel_size"]) == (1, 8)
+    assert kw["enable_expert_parallel"] is True
+
+
+def _mutate(name: str, path: str, value) -> dict:
+    args = copy.deepcopy(_args(name))
+    node = args
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node.setdefault(p, {})
+    node[leaf] = value
+    return args
+
+
+# (deployment, field to change, value, field the message must name, fragment of the message)
+INVALID = [
+    ("llama.yaml", "attention.backend", "ROCM_AITER_MLA", "attention.backend", "MLA backend"),
+    ("deepseek.yaml", "attention.backend", "ROCM_AITER_FA", "attention.backend", "MHA backend"),
+    ("llama.yaml", "attention.backend", "NOT_A_BACKEND", "attention.backend", "unknown"),
+    ("llama.yaml", "platform.kind", "cuda", "attention.backend", "runs on rocm"),
+    ("llama.yaml", "parallelism.tensor_parallel_size", 3, "parallelism.tensor_parallel_size",
+     "does not divide"),
+    ("local.yaml", "attention.block_size", 100, "attention.block_size", "multiples of 32"),
+    ("qwen3.yaml", "attention.block_size", 64, "attention.block_size", "allowed: 16, 32"),
+    ("deepseek.yaml", "attention.kv_cache_dtype", "fp8_inc", "attention.kv_cache_dtype",
+     "ROCM_AITER_TRITON_MLA"),
+    ("llama.yaml", "parallelism.enable_expert_parallel", True,
+     "parallelism.enable_expert_parallel", "not MoE"),
+    ("qwen3.yaml", "parallelism.all2all_backend", "deepep_low_latency",
+     "parallelism.all2all_backend", "CUDA-only"),
+    ("llama.yaml", "platform.accelerator_type", "H100", "platform.accelerator_type", None),
+    ("llama.yaml", "parallelism.tensor_parallel_size", 16, "parallelism.tensor_parallel_size",
+     "do not fit one node"),
+    ("qwen3.yaml", "attention.kv_cache_dtype", "turboquant_4bit_nc",
+     "attention.kv_cache_dtype", None),
+    ("llama.yaml", "parallelism.dp_attention", True, "parallelism.dp_attention", None),
+    ("llama.yaml", "engine.extra_engine_kwargs", {"no_such_flag": 1},
+     "engine.extra_engine_kwargs", "no_such_flag"),
+    ("local.yaml", "engine.kv_cache_memory_bytes", None, "engine.kv_cache_memory_bytes", None),
+    ("llama.yaml", "engine.gpu_memory_utilization", 1.5, "engine.gpu_memory_utilization", None),
+    ("llama.yaml", "attention.surprise", 1, "attention.surprise", "unknown field"),
+    ("llama.yaml", "router.policy", "random", "router.policy", None),
+]
+
+
+@pytest.mark.parametrize("name,path,value,field,fragment", INVALID,
+                         ids=[f"{i[1]}={i[2]}" for i in INVALID])
+def test_invalid_combination_is_rejected_naming_the_field(name, path, value, field, fragment):
+    args = _mutate(name, path, value)
+    with pytest.raises((ConfigError, PlanError)) as e:
+        build_plan(parse_args(args))
+    assert field in str(e.value)
+    if fragment:
+        assert fragment in str(e.value)
+
+
+def test_sinks_model_needs_sink_backend():
+    args = _args("llama.yaml")
+    args["model"]["source"] = "openai/gpt-oss-120b"
+    args["attention"]["backend"] = "ROCM_ATTN"
+    with pytest.raises(PlanError, match="attention.backend: the model uses attention sinks"):
+        build_plan(parse_args(args))
+    args["attention"]["backend"] = "ROCM_AITER_UNIFIED_ATTN"
+    args["attention"]["kv_cache_dtype"] = "auto"
+    assert build_plan(parse_args(args)).backend.supports_sinks
+
+
+def test_aiter_mla_head_rule():
+    args = _args("deepseek.yaml")
+    args["model"]["source"] = "unknown/model"
+    args["model"]["architecture"] = dict(is_mla=True, num_attention_heads=24, head_dim=576)
+    args["attention"]["backend"] = "ROCM_AITER_MLA"
+    args["parallelism"]["tensor_parallel_size"] = 1
+    with pytest.raises(PlanError, match="multiple or divisor of 16, got 24"):
+        build_plan(parse_args(args))
+    args["parallelism"]["tensor_parallel_size"] = 8  # 3 heads per GPU: not a divisor of 16
+    with pytest.raises(PlanError, match="got 3"):
+        build_plan(parse_args(args))
+    args["model"]["architecture"]["num_attention_heads"] = 128
+    assert build_plan(parse_args(args)).arch.source == "model.architecture in YAML"
+
+
+def test_check_cli_rejects_bad_file(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    doc = yaml.safe_load((ROOT / "deployments" / "llama.yaml").read_text())
+    doc["applications"][0]["args"]["attention"]["backend"] = "FLASHMLA"
+    bad.write_text(yaml.safe_dump(doc))
+    assert main(["check", str(bad)]) == 1
+    assert "attention.backend" in capsys.readouterr().err
+
+
+def test_literals_mirror_installed_vllm():
+    from vllm.config import cache
+
+    ours = set(typing.get_args(KVCacheDType))
+    assert ours <= set(typing.get_args(cache.CacheDType))
+    assert set(typing.get_args(PrefixCachingHashAlgo)) == set(
+        typing.get_args(cache.PrefixCachingHashAlgo))
+
+
+def test_every_field_is_documented():
+    """The field docs are the reference; a field without one is a bug."""
+    import ast
+    import inspect
+
+    from rayattn.config import schema
+
+    tree = ast.parse(inspect.getsource(schema))
+    for cls in [n for n in tree.body if isinstance(n, ast.ClassDef)]:
+        body = cls.body
+        for i, node in enumerate(body):
+            if isinstance(node, ast.AnnAssign):
+                nxt = body[i + 1] if i + 1 < len(body) else None
+                documented = (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                              and isinstance(nxt.value.value, str))
+                assert documented, f"{cls.name}.{node.target.id} has no doc string"

@@ -1,0 +1,42 @@
+"""The router's block keys are the engine's block hashes."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from rayattn.routing.hashing import BlockHasher, to_key
+
+
+@pytest.mark.parametrize("block_size", [16, 32, 128])
+@pytest.mark.parametrize("algo", ["sha256", "sha256_cbor"])
+def test_parity_with_vllm_request_block_hasher(block_size, algo, monkeypatch):
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    rng = random.Random(block_size)
+    tokens = [rng.randrange(50_000) for _ in range(block_size * 5 + 3)]
+    ours = BlockHasher(block_size, algo, seed="0")
+    mine = ours.full_hashes(tokens)
+
+    hash_fn = get_hash_fn_by_name(algo)
+    monkeypatch.setenv("PYTHONHASHSEED", "0")  # what every engine runs with
+    init_none_hash(hash_fn)
+    req = Request(request_id="r", prompt_token_ids=tokens,
+                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                  block_hasher=get_request_block_hasher(block_size, hash_fn))
+    assert len(mine) == 5 == len(req.block_hashes)
+    assert mine == list(req.block_hashes)
+    assert ours.keys(tokens) == [to_key(h) for h in req.block_hashes]
+
+
+def test_chaining_makes_keys_prefix_dependent():
+    h = BlockHasher(4)
+    a = h.keys([1, 2, 3, 4, 5, 6, 7, 8])
+    b = h.keys([9, 2, 3, 4, 5, 6, 7, 8])
+    assert a[1] != b[1]  # same second block, different prefix
+    assert h.keys([1, 2, 3, 4, 5, 6, 7, 8, 9]) == a  # partial trailing block not hashed
+    assert BlockHasher(4, seed="1").keys([1, 2, 3, 4]) != h.keys([1, 2, 3, 4])

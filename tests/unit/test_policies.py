@@ -1,0 +1,130 @@
+"""Routing policies on a fake fleet (pure routing logic; real engines in tests/integration)."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rayattn.config.schema import RouterConfig
+from rayattn.routing.load import LoadTracker
+from rayattn.routing.policies import RouteRequest, make_policy, rendezvous_rank
+from rayattn.routing.prefix_index import PrefixIndex
+
+BS = 16
+
+
+def fleet(n: int, policy: str = "affinity", eps: float = 0.5, cap: int = 10_000):
+    idx, load = PrefixIndex(), LoadTracker()
+    names = [f"r{i}" for i in range(n)]
+    for r in names:
+        idx.add_replica(r, cap)
+    pol = make_policy(policy, idx, load, BS, RouterConfig(load_epsilon=eps), seed=0)
+    return pol, idx, load, names
+
+
+def req(keys, tokens=None, session=None):
+    return RouteRequest(keys, tokens or len(keys) * BS + 5, keys[0] if keys else 0, session)
+
+
+def test_affinity_follows_the_cache():
+    pol, idx, load, names = fleet(4)
+    idx.insert("r2", [1, 2, 3, 4])
+    d = pol.choose(req([1, 2, 3, 4, 5]), names)
+    assert d.replica == "r2" and d.reason == "affinity_hit"
+    assert d.predicted_cached_tokens == 4 * BS
+
+
+def test_bounded_load_guard_diverts_from_hot_replica():
+    pol, idx, load, names = fleet(2, eps=0.25)
+    idx.insert("r0", [1, 2, 3, 4])
+    for _ in range(6):
+        load.acquire("r0", 0)
+    d = pol.choose(req([1, 2, 3, 4, 5]), names)
+    assert d.replica == "r1" and d.reason == "load_guard"
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(2, 16), st.floats(0.0, 1.0), st.integers(0, 2**32))
+def test_bounded_load_property(n, eps, seed):
+    """Whatever the cache says, no replica is ever pushed past ceil((1+ε)·mean) in-flight."""
+    pol, idx, load, names = fleet(n, eps=eps)
+    rng = random.Random(seed)
+    hot = [1, 2, 3, 4]
+    idx.insert("r0", hot)  # everything wants r0
+    for _ in range(5 * n):
+        d = pol.choose(req(hot + [rng.randrange(10**6)]), names)
+        cap = pol.capacity(names)
+        assert load.inflight[d.replica] + 1 <= cap
+        load.acquire(d.replica, 0)
+        if rng.random() < 0.3:  # some complete
+            busy = [r for r in names if load.inflight[r]]
+            load.release(rng.choice(busy))
+
+
+def test_cold_prefix_followers_converge_deterministically():
+    pol, idx, load, names = fleet(8)
+    chosen = {pol.choose(req([777, 1]), names).replica for _ in range(5)}
+    assert len(chosen) == 1
+    # a second, independent router instance agrees (multi-ingress)
+    pol2, *_ = fleet(8)
+    assert pol2.choose(req([777, 1]), names).replica in chosen
+
+
+def test_rehoming_moves_only_the_dead_replicas_prefixes():
+    names = [f"r{i}" for i in range(16)]
+    keys = list(range(500))
+    before = {k: rendezvous_rank(k, names)[0] for k in keys}
+    survivors = [n for n in names if n != "r3"]
+    after = {k: rendezvous_rank(k, survivors)[0] for k in keys}
+    moved = [k for k in keys if before[k] != after[k]]
+    assert moved and all(before[k] == "r3" for k in moved)
+
+
+def test_replica_removed_loses_entries_and_new_replica_starts_empty():
+    pol, idx, load, names = fleet(3)
+    idx.insert("r1", [5, 6, 7])
+    idx.remove_replica("r1")
+    pol.forget_replica("r1")
+    live = ["r0", "r2"]
+    d = pol.choose(req([5, 6, 7, 8]), live)
+    assert d.replica in live and d.reason == "cold"
+    idx.add_replica("r9", 100)
+    assert idx.size("r9") == 0
+
+
+def test_session_breaks_ties():
+    pol, idx, load, names = fleet(4)
+    first = pol.choose(req([], tokens=10, session="s1"), names).replica
+    # A different (cold) prompt of the same session stays with its owner.
+    other = RouteRequest([], 12, affinity_key=424242, session="s1")
+    assert pol.choose(other, names).replica == first
+
+
+def test_round_robin_and_power_of_two_spread():
+    pol, idx, load, names = fleet(3, "round_robin")
+    assert [pol.choose(req([1]), names).replica for _ in range(6)] == names * 2
+    pol, idx, load, names = fleet(2, "power_of_two")
+    load.acquire("r0", 0)
+    assert pol.choose(req([1]), names).replica == "r1"
+
+
+def test_ray_prefix_policy_uses_text_and_falls_back_when_imbalanced():
+    pol, idx, load, names = fleet(2, "ray_prefix")
+    r = RouteRequest([], 10, 0, None, text="You are a helpful assistant. Question one")
+    first = pol.choose(r, names)
+    pol.on_dispatch(first.replica, r)
+    r2 = RouteRequest([], 10, 0, None, text="You are a helpful assistant. Question two")
+    assert pol.choose(r2, names).replica == first.replica
+    for _ in range(20):
+        load.acquire(first.replica, 0)
+    assert pol.choose(r2, names).reason == "power_of_two"
+
+
+def test_cost_model_refits_prefill_rate():
+    pol, *_ = fleet(2)
+    before = pol.cost.prefill_s_per_token
+    for _ in range(30):
+        pol.cost.observe_prefill(1000, 0, 1000 * before * 3)
+    assert pol.cost.prefill_s_per_token > before * 2
