@@ -71,7 +71,8 @@ class EngineReplica:
     async def info(self) -> dict[str, Any]:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
         await self.engine.check_health()
-        return self._info
+        return {**self._info,
+                "unfinished": self.engine.output_processor.get_num_unfinished_requests()}
 
     async def check_health(self) -> None:
         # Serve calls this periodically; raising makes Serve replace the replica. A live

@@ -222,7 +222,10 @@ class Ingress:
         live = self.dispatcher.live()
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
                 "replicas": len(self.dispatcher.engines), "policy": self.dispatcher.policy.name,
-                "counts": self.dispatcher.counts}
+                "counts": self.dispatcher.counts,
+                "engines": {n: {"up": s.up, "inflight": self.dispatcher.load.inflight[n],
+                                "unfinished": s.info.get("unfinished"), "pid": s.pid}
+                            for n, s in self.dispatcher.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)

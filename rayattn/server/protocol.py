@@ -49,6 +49,8 @@ class _Sampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    ignore_eos: bool = False
+    """vLLM extension: keep generating past EOS (benchmarks use it to fix output lengths)."""
     # Accepted for client compatibility, only at their neutral values.
     logprobs: Literal[False] | None = None
     echo: Literal[False] | None = None
@@ -63,7 +65,8 @@ class _Sampling(_Body):
     def sampling_kwargs(self, max_tokens: int) -> dict[str, Any]:
         kw: dict[str, Any] = dict(max_tokens=max_tokens, temperature=self.temperature,
                                   top_p=self.top_p, presence_penalty=self.presence_penalty,
-                                  frequency_penalty=self.frequency_penalty, seed=self.seed)
+                                  frequency_penalty=self.frequency_penalty, seed=self.seed,
+                                  ignore_eos=self.ignore_eos)
         if self.stop:
             kw["stop"] = [self.stop] if isinstance(self.stop, str) else self.stop
         return kw

@@ -1,0 +1,97 @@
+"""Shared fixtures: ONE Ray cluster and ONE local deployment (2 real vLLM CPU engines) per
+test session; every integration test talks to it over HTTP."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+             "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
+    os.environ.setdefault(k, v)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def local_args() -> dict:
+    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    return doc["applications"][0]["args"]
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray import serve
+
+    metrics_port = free_port()
+    http_port = free_port()
+    # Logical CPUs: the 2 engines reserve 1 each; the rest is headroom for the router and
+    # a restarted replica. Metrics pushed every second so tests need not wait 10 s.
+    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
+             _system_config={"metrics_report_interval_ms": 1000})
+    serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    yield {"metrics_port": metrics_port, "http_port": http_port}
+    serve.shutdown()
+    ray.shutdown()
+
+
+def wait_healthy(url: str, timeout: float = 240, want: int = 2) -> dict:
+    import httpx
+
+    deadline = time.time() + timeout
+    last = None
+    while time.time() < deadline:
+        try:
+            r = httpx.get(f"{url}/health", timeout=10)
+            last = r.json()
+            if r.status_code == 200 and len(last["replicas_up"]) >= want:
+                return last
+        except Exception as e:  # proxy not up yet
+            last = repr(e)
+        time.sleep(1)
+    raise TimeoutError(f"deployment not healthy: {last}")
+
+
+@pytest.fixture(scope="session")
+def server(ray_cluster):
+    from ray import serve
+
+    from rayattn.app import build_app
+
+    t0 = time.time()
+    serve.run(build_app(local_args()), name="rayattn", route_prefix="/", blocking=False)
+    url = f"http://127.0.0.1:{ray_cluster['http_port']}"
+    wait_healthy(url)
+    print(f"\nlocal deployment ready in {time.time() - t0:.1f}s")
+    return url
+
+
+@pytest.fixture(scope="session")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture
+def reset(server):
+    """Cold caches and a chosen policy for one test; back to affinity afterwards."""
+    import httpx
+
+    def _reset(policy: str = "affinity") -> None:
+        r = httpx.post(f"{server}/admin/reset", json={"policy": policy}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["policy"] == policy
+
+    yield _reset
+    _reset("affinity")

@@ -1,0 +1,179 @@
+"""The main job end to end: real Ray Serve, real vLLM CPU engines, the official openai client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2"
+
+
+def test_chat_completion_paris(client):
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "What is the capital of France?"}],
+        temperature=0, max_tokens=20)
+    assert "Paris" in r.choices[0].message.content
+    assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+    assert r.usage.prompt_tokens_details.cached_tokens == 0 or \
+        r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+
+
+def test_completions_endpoint(client):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                  max_tokens=5, temperature=0)
+    assert "Paris" in r.choices[0].text
+    assert r.usage.completion_tokens == 5 or r.choices[0].finish_reason == "stop"
+
+
+def test_streaming_chunks_and_done(server, client):
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count from one to ten."}],
+        temperature=0, max_tokens=24, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len([c for c in chunks if c.choices]) > 3 and text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    # raw SSE ends with [DONE]
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60, json={
+            "model": MODEL, "prompt": "Hello", "max_tokens": 8, "stream": True}) as r:
+        lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
+    assert lines[-1] == "data: [DONE]" and len(lines) >= 3
+    assert json.loads(lines[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_repeated_long_prompt_reports_cached_tokens(client):
+    doc = " ".join(f"Fact {i}: the number {i} squared is {i * i}." for i in range(60))
+    msgs = [{"role": "system", "content": doc}, {"role": "user", "content": "Summarise."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                           temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=4,
+                                            temperature=0)
+    assert first.usage.prompt_tokens > 500
+    assert second.usage.prompt_tokens_details.cached_tokens > 0.8 * first.usage.prompt_tokens
+    assert second.model_extra["rayattn"]["path"] == "extend"
+    assert second.model_extra["rayattn"]["route_reason"] == "affinity_hit"
+
+
+def test_both_replicas_serve_requests(server):
+    async def go():
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*(c.post(f"{server}/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 4,
+                "messages": [{"role": "user", "content": f"Topic {i}: tell me about {i}"}]})
+                for i in range(16)))
+        return rs
+    rs = asyncio.run(go())
+    assert all(r.status_code == 200 for r in rs)
+    replicas = {r.headers["x-rayattn-replica"] for r in rs}
+    assert replicas == {"engine-0", "engine-1"}
+
+
+def _post(server: str, body, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
+    if isinstance(body, (dict, list)):
+        return httpx.post(f"{server}{path}", json=body, timeout=60, **kw)
+    return httpx.post(f"{server}{path}", content=body, timeout=60,
+                      headers={"content-type": "application/json"}, **kw)
+
+
+def _msgs(text: str = "hi") -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+ERRORS = [
+    ("malformed json", b'{"model": "smollm2", "messages": [', 400, None),
+    ("not an object", [1, 2], 400, None),
+    ("wrong type", {"model": MODEL, "messages": _msgs(), "max_tokens": "many"}, 400,
+     "max_tokens"),
+    ("unknown field", {"model": MODEL, "messages": _msgs(), "frobnicate": 1}, 400,
+     "frobnicate"),
+    ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("empty content", {"model": MODEL, "messages": _msgs("")}, 400, "messages"),
+    ("max_tokens zero", {"model": MODEL, "messages": _msgs(), "max_tokens": 0}, 400,
+     "max_tokens"),
+    ("max_tokens negative", {"model": MODEL, "messages": _msgs(), "max_tokens": -5}, 400,
+     "max_tokens"),
+    ("max_tokens above context", {"model": MODEL, "messages": _msgs(), "max_tokens": 5000},
+     400, "2048"),
+    ("unsupported tools", {"model": MODEL, "messages": _msgs(), "tools": []}, 400, "tools"),
+    ("n > 1", {"model": MODEL, "messages": _msgs(), "n": 2}, 400, "n"),
+    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
+     "role"),
+    ("unknown model", {"model": "gpt-17", "messages": _msgs()}, 404, "gpt-17"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,fragment", ERRORS, ids=[e[0] for e in ERRORS])
+def test_client_errors(server, name, body, status, fragment):
+    r = _post(server, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    if fragment:
+        assert fragment in err["message"]
+
+
+def test_prompt_longer_than_context_names_limit_and_length(server):
+    r = _post(server, {"model": MODEL, "messages": _msgs("word " * 3000)})
+    assert r.status_code == 400
+    msg = r.json()["error"]["message"]
+    assert "2048" in msg and "prompt is" in msg
+    length = int(msg.split("prompt is ")[1].split()[0])
+    assert length > 2048
+
+
+def test_oversized_body_and_unknown_route(server):
+    r = _post(server, b'{"model": "' + b"x" * (5 * 1024 * 1024) + b'"}')
+    assert r.status_code == 413 and "exceeds" in r.json()["error"]["message"]
+    r = httpx.get(f"{server}/v1/nothing-here", timeout=10)
+    assert r.status_code == 404 and "error" in r.json()
+
+
+def test_models_and_health(server):
+    assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
+    h = httpx.get(f"{server}/health").json()
+    assert h["status"] == "ok" and sorted(h["replicas_up"]) == ["engine-0", "engine-1"]
+
+
+def test_disconnect_mid_stream_aborts_engine_request(server):
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.",
+            "max_tokens": 1500, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=60) as r:
+        n = 0
+        for line in r.iter_lines():
+            n += line.startswith("data: ")
+            if n >= 3:
+                break  # hang up with ~1,500 tokens still to generate
+    deadline = time.time() + 20
+    while time.time() < deadline:
+        engines = httpx.get(f"{server}/health").json()["engines"]
+        if all(e["unfinished"] == 0 and e["inflight"] == 0 for e in engines.values()):
+            break
+        time.sleep(0.5)
+    # At CPU speed 1,500 tokens take far longer than 20 s: reaching zero means aborted.
+    assert all(e["unfinished"] == 0 for e in engines.values()), engines
+    assert all(e["inflight"] == 0 for e in engines.values()), engines
+
+
+def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
+    from ray import serve
+
+    from rayattn.app import Router
+    from tests.conftest import local_args
+
+    serve.run(Router.options(name="router-empty").bind(local_args(), []), name="empty",
+              route_prefix="/empty", blocking=False)
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        r = httpx.post(f"{server}/empty/v1/chat/completions", timeout=30,
+                       json={"model": MODEL, "messages": _msgs()})
+        if r.status_code != 404:  # the route exists once the app is up
+            break
+        time.sleep(1)
+    serve.delete("empty")
+    assert r.status_code == 503, r.text
+    assert int(r.headers["retry-after"]) > 0
+    assert "no engine replica" in r.json()["error"]["message"]
