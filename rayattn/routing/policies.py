@@ -69,6 +69,14 @@ class CostModel:
         per_tok = min(per_tok, self.prefill_s_per_token * 10)
         self.prefill_s_per_token += self.alpha * (per_tok - self.prefill_s_per_token)
 
+    def observe_decode(self, itl_s: float | None) -> None:
+        """Refit what one in-flight request costs a newcomer: about one decode step of
+        delay per co-running request (its mean inter-token latency)."""
+        if itl_s is None or itl_s <= 0:
+            return
+        itl_s = min(itl_s, max(self.decode_s_per_request, 1e-3) * 10)
+        self.decode_s_per_request += self.alpha * (itl_s - self.decode_s_per_request)
+
 
 class Policy:
     name = "base"

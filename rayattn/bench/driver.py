@@ -1,0 +1,149 @@
+"""Drive an OpenAI endpoint with a workload (streaming, closed loop) and score the run:
+cache-hit rate against the trace's oracle, TTFT percentiles, throughput, balance."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import httpx
+
+from rayattn.bench.workloads import Conversation, Workload
+
+
+@dataclass
+class Result:
+    session: str
+    turn: int
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ttft_s: float
+    e2e_s: float
+    replica: str
+    path: str
+    reason: str
+    status: int
+    start_s: float
+    prompt_ids: list[int] | None = None
+    output_text: str = ""
+
+
+async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
+               conv: Conversation, turn: int, t_origin: float) -> Result:
+    body = {"model": model, "messages": messages, "max_tokens": conv.max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = time.monotonic()
+    ttft, text, usage, ext, status = None, [], {}, {}, 0
+    async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
+                             headers={"x-session-id": conv.session}) as r:
+        status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            if "error" in ev:
+                status = ev["error"].get("code", 500)
+                break
+            for ch in ev.get("choices", []):
+                if ch["delta"].get("content"):
+                    ttft = ttft or time.monotonic() - t0
+                    text.append(ch["delta"]["content"])
+            usage = ev.get("usage") or usage
+            ext = ev.get("rayattn") or ext
+    end = time.monotonic()
+    details = usage.get("prompt_tokens_details") or {}
+    return Result(conv.session, turn, usage.get("prompt_tokens", 0),
+                  details.get("cached_tokens", 0), usage.get("completion_tokens", 0),
+                  ttft if ttft is not None else end - t0, end - t0, ext.get("replica", ""),
+                  ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
+                  output_text="".join(text))
+
+
+async def run_workload(url: str, model: str, workload: Workload, concurrency: int = 8,
+                       timeout: float = 300) -> tuple[list[Result], float]:
+    """Conversations run concurrently (up to `concurrency`), turns of one in order."""
+    sem = asyncio.Semaphore(concurrency)
+    results: list[Result] = []
+    t_origin = time.monotonic()
+
+    async def conversation(c: Conversation, client: httpx.AsyncClient) -> None:
+        async with sem:
+            messages = [{"role": "system", "content": c.system}]
+            for t, user in enumerate(c.turns):
+                messages.append({"role": "user", "content": user})
+                res = await _one(client, url, model, list(messages), c, t, t_origin)
+                res.prompt_ids = None
+                results.append(res)
+                messages.append({"role": "assistant", "content": res.output_text})
+
+    limits = httpx.Limits(max_connections=concurrency * 2)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        await asyncio.gather(*(conversation(c, client) for c in workload.conversations))
+    return results, time.monotonic() - t_origin
+
+
+def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size: int
+           ) -> dict[str, float]:
+    """Tokens an infinite cache could have served, in the order requests ran: each prompt's
+    longest prefix shared with any earlier request's prompt + output. Reported at token
+    granularity and block-aligned (what vLLM's block cache can serve at best)."""
+    convs = {c.session: c for c in workload.conversations}
+    seen: list[list[int]] = []
+    tok_hits = blk_hits = total = 0
+    for r in sorted(results, key=lambda x: x.start_s):
+        c = convs[r.session]
+        msgs = [{"role": "system", "content": c.system}]
+        prior = [x for x in results if x.session == r.session and x.turn < r.turn]
+        for p in sorted(prior, key=lambda x: x.turn):
+            msgs += [{"role": "user", "content": c.turns[p.turn]},
+                     {"role": "assistant", "content": p.output_text}]
+        msgs.append({"role": "user", "content": c.turns[r.turn]})
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        best = 0
+        for s in seen:
+            n = 0
+            for a, b in zip(ids, s, strict=False):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        best = min(best, len(ids) - 1)
+        tok_hits += best
+        blk_hits += best // block_size * block_size
+        total += len(ids)
+        out = tokenizer(r.output_text, add_special_tokens=False)["input_ids"]
+        seen.append(ids + out)
+    return {"oracle_token_hit_rate": tok_hits / total if total else 0.0,
+            "oracle_block_hit_rate": blk_hits / total if total else 0.0}
+
+
+def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
+    ok = [r for r in results if r.status == 200]
+    ttfts = sorted(r.ttft_s for r in ok)
+
+    def pct(p: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else float("nan")
+
+    per_replica: dict[str, int] = {}
+    for r in ok:
+        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+    prompt = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(results), "ok": len(ok),
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
+        "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
+        "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
+        "req_per_s": len(ok) / wall_s if wall_s else 0.0, "wall_s": wall_s,
+        "per_replica": per_replica,
+        "max_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
+        "paths": {p: sum(1 for r in ok if r.path == p) for p in ("prefill", "extend")},
+    }
+
+
+def results_json(results: list[Result]) -> list[dict]:
+    return [{k: v for k, v in asdict(r).items() if k != "prompt_ids"} for r in results]

@@ -1,0 +1,62 @@
+"""Seeded, reproducible workloads: each is a list of conversations (a system prompt and user
+turns); single-turn workloads are conversations of one turn."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+_WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river mountain "
+          "valley forest ocean desert city harbor bridge tower garden market engine kernel "
+          "cache block token router replica prefix decode extend prefill latency budget").split()
+
+
+def _text(rng: random.Random, words: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(words))
+
+
+@dataclass
+class Conversation:
+    system: str
+    turns: list[str]
+    session: str
+    max_tokens: int = 16
+
+
+@dataclass
+class Workload:
+    name: str
+    conversations: list[Conversation] = field(default_factory=list)
+
+    @property
+    def num_requests(self) -> int:
+        return sum(len(c.turns) for c in self.conversations)
+
+
+def shared_prefix(groups: int = 4, prompts_per_group: int = 8, system_words: int = 300,
+                  question_words: int = 20, max_tokens: int = 16, seed: int = 0) -> Workload:
+    """SGLang's generated-shared-prefix: groups share a long system prompt; each prompt in a
+    group adds its own question. Requests are interleaved across groups."""
+    rng = random.Random(seed)
+    systems = [f"Group {g} instructions: " + _text(rng, system_words) for g in range(groups)]
+    convs = [Conversation(systems[g], [f"Question {p}: " + _text(rng, question_words)],
+                          f"g{g}-p{p}", max_tokens)
+             for p in range(prompts_per_group) for g in range(groups)]
+    return Workload("shared_prefix", convs)
+
+
+def multi_turn(conversations: int = 8, turns: int = 4, shared_systems: int = 2,
+               system_words: int = 200, user_words: int = 25, max_tokens: int = 16,
+               seed: int = 0) -> Workload:
+    """Chat sessions whose history grows each turn; a few system prompts are shared."""
+    rng = random.Random(seed)
+    systems = [f"You are assistant #{s}. Rules: " + _text(rng, system_words)
+               for s in range(shared_systems)]
+    convs = [Conversation(systems[c % shared_systems],
+                          [f"Turn {t}: " + _text(rng, user_words) for t in range(turns)],
+                          f"conv-{c}", max_tokens)
+             for c in range(conversations)]
+    return Workload("multi_turn", convs)
+
+
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn}
