@@ -49,10 +49,6 @@ class EngineReplica:
         if self.metrics is not None:
             kwargs["enable_logging_iteration_details"] = True
             loggers.append(make_step_logger_factory(self.metrics))
-            self.metrics.info.set(1, {**self.metrics.tags,
-                                      "tp": str(cfg.parallelism.tensor_parallel_size),
-                                      "ep": str(cfg.parallelism.enable_expert_parallel).lower(),
-                                      "platform": cfg.platform.kind})
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
@@ -71,6 +67,13 @@ class EngineReplica:
     async def info(self) -> dict[str, Any]:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
         await self.engine.check_health()
+        if self.metrics is not None:
+            # Re-set on every probe: the gauge is only exported once this process's metrics
+            # agent is up, which can be after __init__.
+            par = self.cfg.parallelism
+            self.metrics.info.set(1, {**self.metrics.tags, "tp": str(par.tensor_parallel_size),
+                                      "ep": str(par.enable_expert_parallel).lower(),
+                                      "platform": self.cfg.platform.kind})
         return {**self._info,
                 "unfinished": self.engine.output_processor.get_num_unfinished_requests()}
 

@@ -1,0 +1,172 @@
+"""The Grafana dashboard and Prometheus alert rules, generated from one list of queries so
+the integration test can evaluate every expression against a real Prometheus.
+
+Ray prefixes exported metric names with `ray_`. Dashboard variables: $model, $replica.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+SEL = 'model=~"$model"'
+RSEL = 'model=~"$model", replica=~"$replica"'
+
+
+@dataclass(frozen=True)
+class Panel:
+    title: str
+    exprs: tuple[tuple[str, str], ...]
+    """(PromQL, legend) pairs."""
+    unit: str = "s"
+    kind: str = "timeseries"
+
+
+def _q(h: str, q: float, by: str, sel: str = RSEL, window: str = "1m") -> str:
+    return (f"histogram_quantile({q}, sum by (le, {by}) "
+            f"(rate(ray_rayattn_{h}_bucket{{{sel}}}[{window}])))")
+
+
+PANELS: list[Panel] = [
+    Panel("TTFT p50 / p90 by path (prefill vs extend)",
+          ((_q("ttft_seconds", 0.5, "path"), "p50 {{path}}"),
+           (_q("ttft_seconds", 0.9, "path"), "p90 {{path}}"))),
+    Panel("Prompt tokens/s by path: computed vs served from cache",
+          ((f"sum by (path, kind) (rate(ray_rayattn_tokens_total{{{RSEL}}}[1m]))",
+            "{{path}} {{kind}}"),), unit="short"),
+    Panel("Decode inter-token latency p50 / p90",
+          ((_q("decode_itl_seconds", 0.5, "replica"), "p50 {{replica}}"),
+           (_q("decode_itl_seconds", 0.9, "replica"), "p90 {{replica}}"))),
+    Panel("Queue time p90 by path", ((_q("queue_seconds", 0.9, "path"), "{{path}}"),)),
+    Panel("Prefix cache hit rate (tokens)",
+          ((f'sum(rate(ray_rayattn_tokens_total{{{SEL}, kind="cached"}}[5m])) / '
+            f'sum(rate(ray_rayattn_tokens_total{{{SEL}, kind=~"cached|computed"}}[5m]))',
+            "hit rate"),), unit="percentunit"),
+    Panel("Router: predicted vs actual cached tokens/s",
+          ((f"sum(rate(ray_rayattn_router_predicted_cached_tokens_total{{{SEL}}}[5m]))",
+            "predicted"),
+           (f"sum(rate(ray_rayattn_router_actual_cached_tokens_total{{{SEL}}}[5m]))",
+            "actual")), unit="short"),
+    Panel("Router drift |actual - predicted| p90 by direction",
+          ((_q("router_cached_tokens_drift", 0.9, "direction", SEL, "5m"), "{{direction}}"),),
+          unit="short"),
+    Panel("Router decisions/s by reason",
+          ((f"sum by (policy, reason) (rate(ray_rayattn_router_decisions_total{{{SEL}}}[1m]))",
+            "{{policy}} {{reason}}"),), unit="reqps"),
+    Panel("In-flight requests per replica",
+          ((f'max by (target) (ray_rayattn_router_inflight{{{SEL}}})', "{{target}}"),),
+          unit="short"),
+    Panel("Load imbalance (max/mean in-flight)",
+          ((f"max(ray_rayattn_router_imbalance{{{SEL}}})", "imbalance"),), unit="short"),
+    Panel("Engine steps by batch mix (mixed = decodes slowed by prefill/extend)",
+          ((f"sum by (mix) (rate(ray_rayattn_steps_total{{{RSEL}}}[1m]))", "{{mix}}"),),
+          unit="short"),
+    Panel("Engine step time by batch part",
+          ((f"sum by (part) (rate(ray_rayattn_step_seconds_total{{{RSEL}}}[1m]))",
+            "{{part}}"),), unit="percentunit"),
+    Panel("Replicas: backend, TP, EP",
+          ((f"max by (replica, dp_rank, backend, tp, ep, platform) "
+            f"(ray_rayattn_engine_info{{{SEL}}})", "{{replica}} {{backend}} TP{{tp}} EP={{ep}}"),),
+          unit="short", kind="table"),
+    Panel("Router retries and failures/s",
+          ((f"sum(rate(ray_rayattn_router_retries_total{{{SEL}}}[5m])) or vector(0)",
+            "retries"),
+           (f"sum(rate(ray_rayattn_router_failures_total{{{SEL}}}[5m])) or vector(0)",
+            "failures")), unit="reqps"),
+]
+
+
+@dataclass(frozen=True)
+class Alert:
+    name: str
+    quantity: str
+    """The measured expression (the integration test checks it returns data)."""
+    condition: str
+    """Appended to `quantity` to make the alert expression."""
+    for_: str
+    summary: str
+    action: str
+
+
+ALERTS: list[Alert] = [
+    Alert("RayattnPrefillTTFTHigh",
+          'histogram_quantile(0.9, sum by (le, model) '
+          '(rate(ray_rayattn_ttft_seconds_bucket{path="prefill"}[5m])))',
+          " > 5", "10m", "Prefill TTFT p90 above 5 s",
+          "Prompts queue behind each other: add replicas or lower max_num_batched_tokens."),
+    Alert("RayattnExtendTTFTHigh",
+          'histogram_quantile(0.9, sum by (le, model) '
+          '(rate(ray_rayattn_ttft_seconds_bucket{path="extend"}[5m])))',
+          " > 2", "10m", "Extend (cache-hit) TTFT p90 above 2 s",
+          "Cache hits are slow: replicas overloaded; check imbalance and load guard."),
+    Alert("RayattnCacheHitCollapse",
+          'sum by (model) (rate(ray_rayattn_tokens_total{kind="cached"}[15m])) / '
+          'sum by (model) (rate(ray_rayattn_tokens_total{kind=~"cached|computed"}[15m]))',
+          " < 0.05", "15m", "Prefix cache hit rate under 5%",
+          "Replicas restarted or KV cache too small; compare predicted vs actual drift."),
+    Alert("RayattnLoadImbalance", "max by (model) (ray_rayattn_router_imbalance)",
+          " > 2", "10m", "One replica holds twice the mean in-flight load",
+          "Lower router.load_epsilon or check for a slow replica."),
+    Alert("RayattnReplicaDown",
+          "min by (model) (ray_rayattn_router_replicas_up) - "
+          "max by (model) (max_over_time(ray_rayattn_router_replicas_up[1h]))",
+          " < 0", "2m", "Fewer engine replicas up than in the last hour",
+          "Check the Serve controller logs and the engine replica's health check."),
+]
+
+
+def dashboard() -> dict:
+    panels = []
+    for i, p in enumerate(PANELS):
+        panels.append({
+            "id": i + 1, "type": p.kind, "title": p.title,
+            "datasource": {"type": "prometheus", "uid": "${datasource}"},
+            "gridPos": {"h": 8, "w": 12, "x": (i % 2) * 12, "y": (i // 2) * 8},
+            "fieldConfig": {"defaults": {"unit": p.unit}, "overrides": []},
+            "targets": [{"expr": e, "legendFormat": leg, "refId": chr(65 + j)}
+                        for j, (e, leg) in enumerate(p.exprs)],
+        })
+
+    def var(name: str, query: str) -> dict:
+        return {"name": name, "type": "query", "includeAll": True, "multi": True,
+                "allValue": ".*", "current": {"text": "All", "value": "$__all"},
+                "datasource": {"type": "prometheus", "uid": "${datasource}"},
+                "query": {"query": query, "refId": name}, "refresh": 2}
+
+    return {
+        "title": "rayattn: attention paths, cache affinity, load", "uid": "rayattn",
+        "schemaVersion": 39, "tags": ["rayattn", "vllm", "ray"], "time": {"from": "now-1h",
+                                                                        "to": "now"},
+        "refresh": "30s", "panels": panels,
+        "templating": {"list": [
+            {"name": "datasource", "type": "datasource", "query": "prometheus"},
+            var("model", "label_values(ray_rayattn_engine_info, model)"),
+            var("replica", 'label_values(ray_rayattn_engine_info{model=~"$model"}, replica)'),
+        ]},
+    }
+
+
+def alert_rules() -> dict:
+    return {"groups": [{"name": "rayattn", "rules": [
+        {"alert": a.name, "expr": a.quantity + a.condition, "for": a.for_,
+         "labels": {"severity": "warning"},
+         "annotations": {"summary": a.summary, "runbook": a.action}} for a in ALERTS]}]}
+
+
+def all_queries() -> list[str]:
+    """Every dashboard expression plus every alert quantity (for tests)."""
+    return [e for p in PANELS for e, _ in p.exprs] + [a.quantity for a in ALERTS]
+
+
+def write(out_dir: str | Path) -> None:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "rayattn-dashboard.json").write_text(json.dumps(dashboard(), indent=2) + "\n")
+    (out / "rayattn-alerts.yaml").write_text(yaml.safe_dump(alert_rules(), sort_keys=False))
+
+
+if __name__ == "__main__":
+    write(Path(__file__).resolve().parents[2] / "dashboards")
