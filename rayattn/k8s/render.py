@@ -1,0 +1,227 @@
+"""Render a KubeRay RayService for AMD Instinct clusters from a rayattn Serve config.
+
+The RayService's serveConfigV2 is the very Serve config `serve run` takes (HTTP bound to
+0.0.0.0 inside the pod), and the cluster is sized from the same plan `rayattn check` prints:
+GPUs per replica (TP×PP), replicas (DP), GPUs per node, backend env.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from rayattn.config.loader import load_serve_config, rayattn_apps
+from rayattn.config.plan import Plan, build_plan
+
+RAY_VERSION = "2.60.0"
+DEFAULT_IMAGE = "ghcr.io/rayattn/rayattn-rocm:0.1.0"
+"""Built from k8s/Dockerfile: AMD's ROCm vLLM image + ray[serve]==2.60.0 + rayattn."""
+METRICS_PORT = 8080
+MODEL_CACHE = "/models"
+# Node labels set by AMD's GPU operator (node-labeller) per Instinct model.
+PRODUCT_LABEL = "amd.com/gpu.product-name"
+PRODUCTS = {"MI300X": "AMD_Instinct_MI300X_OAM", "MI325X": "AMD_Instinct_MI325X_OAM",
+            "MI355X": "AMD_Instinct_MI355X_OAM"}
+SHM_GIB = {"MI300X": 64, "MI325X": 64, "MI355X": 128}
+
+
+def worker_nodes(plan: Plan) -> int:
+    per_node = plan.config.platform.gpus_per_node
+    replicas_per_node = max(1, per_node // max(1, plan.gpus_per_replica))
+    return math.ceil(plan.replicas / replicas_per_node)
+
+
+def _env(plan: Plan) -> list[dict[str, Any]]:
+    env = [{"name": k, "value": v} for k, v in sorted(plan.env.items())]
+    env += [
+        # Never inline the token: read it from a Secret the operator creates.
+        {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "hf-token", "key": "token", "optional": True}}},
+        {"name": "HF_HOME", "value": MODEL_CACHE},
+    ]
+    return env
+
+
+def _container(name: str, image: str, plan: Plan, resources: dict, ports: list[dict],
+               gpu: bool) -> dict:
+    c: dict[str, Any] = {
+        "name": name, "image": image, "imagePullPolicy": "IfNotPresent",
+        "env": _env(plan), "resources": resources, "ports": ports,
+        "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
+                         {"name": "model-cache", "mountPath": MODEL_CACHE}],
+        "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
+    }
+    if gpu:
+        # RCCL and AITER need ptrace-style IPC between the GPU processes of one engine.
+        c["securityContext"] = {"capabilities": {"add": ["SYS_PTRACE", "IPC_LOCK"]},
+                                "seccompProfile": {"type": "Unconfined"}}
+    return c
+
+
+def _volumes(shm_gib: int) -> list[dict]:
+    return [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{shm_gib}Gi"}},
+            {"name": "model-cache", "persistentVolumeClaim": {"claimName": "rayattn-models"}}]
+
+
+def serve_config_for_pod(serve_config: dict) -> dict:
+    sc = copy.deepcopy(serve_config)
+    sc["http_options"] = {**sc.get("http_options", {}), "host": "0.0.0.0", "port": 8000}
+    return sc
+
+
+def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE) -> dict:
+    apps = rayattn_apps(serve_config)
+    plans = [build_plan(cfg) for _, cfg in apps]
+    plan = plans[0]
+    plat = plan.config.platform
+    if plat.kind != "rocm":
+        raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
+    per_node = plat.gpus_per_node
+    nodes = sum(worker_nodes(p) for p in plans)
+    acc = plat.accelerator_type or "MI300X"
+    head_ports = [{"containerPort": 6379, "name": "gcs-server"},
+                  {"containerPort": 8265, "name": "dashboard"},
+                  {"containerPort": 10001, "name": "client"},
+                  {"containerPort": 8000, "name": "serve"},
+                  {"containerPort": METRICS_PORT, "name": "metrics"}]
+    head = {
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0",
+                           "metrics-export-port": str(METRICS_PORT)},
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/name": "rayattn"}},
+            "spec": {
+                # The head runs the Serve controller, proxy and router: no GPUs.
+                "containers": [_container("ray-head", image, plan, {
+                    "requests": {"cpu": "8", "memory": "32Gi"},
+                    "limits": {"cpu": "16", "memory": "64Gi"}}, head_ports, gpu=False)],
+                "volumes": _volumes(8),
+            }},
+    }
+    worker = {
+        "groupName": f"{acc.lower()}-workers",
+        "replicas": nodes, "minReplicas": nodes, "maxReplicas": nodes,
+        "numOfHosts": 1,
+        "rayStartParams": {"num-gpus": str(per_node),
+                           "metrics-export-port": str(METRICS_PORT),
+                           "resources": json.dumps({f"accelerator_type:{acc}": 1})},
+        "template": {
+            "metadata": {"labels": {"app.kubernetes.io/name": "rayattn"}},
+            "spec": {
+                "containers": [_container("ray-worker", image, plan, {
+                    "requests": {"cpu": "96", "memory": "1024Gi", "amd.com/gpu": str(per_node)},
+                    "limits": {"cpu": "128", "memory": "1536Gi", "amd.com/gpu": str(per_node)},
+                }, [{"containerPort": METRICS_PORT, "name": "metrics"}], gpu=True)],
+                "volumes": _volumes(SHM_GIB.get(acc, 64)),
+                "nodeSelector": {PRODUCT_LABEL: PRODUCTS.get(acc, acc)},
+                "tolerations": [{"key": "amd.com/gpu", "operator": "Exists",
+                                 "effect": "NoSchedule"}],
+            }},
+    }
+    return {
+        "apiVersion": "ray.io/v1", "kind": "RayService",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "rayattn",
+                                              "app.kubernetes.io/component": "llm-serving"}},
+        "spec": {
+            # Zero-downtime upgrades: a new cluster is brought up and traffic switches only
+            # once its Serve applications are healthy (model loads take minutes).
+            "upgradeStrategy": {"type": "NewCluster"},
+            "serviceUnhealthySecondThreshold": 1800,
+            "deploymentUnhealthySecondThreshold": 1800,
+            "serveConfigV2": yaml.safe_dump(serve_config_for_pod(serve_config),
+                                            sort_keys=False),
+            "rayClusterConfig": {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": False,
+                                 "headGroupSpec": head, "workerGroupSpecs": [worker]},
+        },
+    }
+
+
+def monitoring(namespace: str = "default") -> list[dict]:
+    """PodMonitors for head and workers (Prometheus Operator), as KubeRay's samples."""
+    out = []
+    for node_type, job in (("head", "ray-head"), ("worker", "ray-workers")):
+        out.append({
+            "apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+            "metadata": {"name": f"rayattn-{job}", "namespace": "prometheus-system",
+                         "labels": {"release": "prometheus"}},
+            "spec": {"jobLabel": job,
+                     "namespaceSelector": {"matchNames": [namespace]},
+                     "selector": {"matchLabels": {"ray.io/node-type": node_type,
+                                                  "app.kubernetes.io/name": "rayattn"}},
+                     "podMetricsEndpoints": [{"port": "metrics", "relabelings": [{
+                         "sourceLabels": ["__meta_kubernetes_pod_label_ray_io_cluster"],
+                         "targetLabel": "ray_io_cluster"}]}]}})
+    return out
+
+
+def dashboard_configmap() -> dict:
+    from rayattn.metrics.dashboard import dashboard
+
+    return {"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "rayattn-grafana-dashboard", "namespace": "prometheus-system",
+                         # Grafana's dashboard sidecar picks up ConfigMaps with this label.
+                         "labels": {"grafana_dashboard": "1"}},
+            "data": {"rayattn-dashboard.json": json.dumps(dashboard(), indent=2)}}
+
+
+def prometheus_rule() -> dict:
+    from rayattn.metrics.dashboard import alert_rules
+
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": "rayattn-alerts", "namespace": "prometheus-system",
+                         "labels": {"release": "prometheus"}},
+            "spec": alert_rules()}
+
+
+MANIFESTS = {"deepseek": "deployments/deepseek.yaml", "qwen3": "deployments/qwen3.yaml",
+             "llama": "deployments/llama.yaml"}
+
+
+class _Dumper(yaml.SafeDumper):
+    pass
+
+
+def _str(dumper: yaml.SafeDumper, s: str) -> yaml.Node:
+    # Multi-line strings (serveConfigV2, the dashboard JSON) as readable block literals.
+    return dumper.represent_scalar("tag:yaml.org,2002:str", s, style="|" if "\n" in s else None)
+
+
+_Dumper.add_representer(str, _str)
+
+
+def dump(docs: list[dict]) -> str:
+    return "---\n".join(yaml.dump(d, Dumper=_Dumper, sort_keys=False) for d in docs)
+
+
+def render_all(root: Path) -> dict[str, str]:
+    """Every file under k8s/ that `python -m rayattn.k8s.render` writes (tests compare)."""
+    files = {f"{n}.yaml": dump([render_rayservice(load_serve_config(root / p),
+                                                  f"rayattn-{n}")])
+             for n, p in MANIFESTS.items()}
+    files["monitoring.yaml"] = dump(monitoring())
+    files["grafana-dashboard.yaml"] = dump([dashboard_configmap()])
+    files["prometheus-rules.yaml"] = dump([prometheus_rule()])
+    return files
+
+
+def main(args: argparse.Namespace) -> int:
+    name = "rayattn-" + Path(args.config).stem
+    doc = render_rayservice(load_serve_config(args.config), name, args.image or DEFAULT_IMAGE)
+    text = dump([doc])
+    if args.out:
+        Path(args.out).write_text(text)
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    root = Path(__file__).resolve().parents[2]
+    for fname, text in render_all(root).items():
+        (root / "k8s" / fname).write_text(text)

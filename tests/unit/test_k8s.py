@@ -1,0 +1,99 @@
+"""KubeRay manifests: valid against KubeRay's own CRD schemas and Kubernetes' schemas, in
+sync with the generator, and carrying a Serve config that passes `rayattn check`."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from rayattn.config.loader import rayattn_apps
+from rayattn.config.plan import build_plan
+from rayattn.k8s.render import render_all
+
+ROOT = Path(__file__).resolve().parents[2]
+SHARED = ROOT.parent / "shared" / "reference" / "kuberay"
+K8S_VERSION = "1.33.0"
+
+
+def crd_schema(name: str) -> dict:
+    doc = yaml.safe_load((SHARED / name).read_text())
+    v1 = next(v for v in doc["spec"]["versions"] if v["name"] == "v1")
+    return v1["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {f: list(yaml.safe_load_all(t)) for f, t in render_all(ROOT).items()}
+
+
+def test_checked_in_files_equal_generator_output():
+    for fname, text in render_all(ROOT).items():
+        assert (ROOT / "k8s" / fname).read_text() == text, f"k8s/{fname} drifted; regenerate"
+
+
+@pytest.mark.parametrize("name", ["deepseek", "qwen3", "llama"])
+def test_rayservice_valid_against_kuberay_crds(rendered, name):
+    svc = rendered[f"{name}.yaml"][0]
+    jsonschema.validate(svc, crd_schema("ray.io_rayservices.yaml"))
+    cluster = {"apiVersion": "ray.io/v1", "kind": "RayCluster",
+               "metadata": {"name": svc["metadata"]["name"]},
+               "spec": svc["spec"]["rayClusterConfig"]}
+    jsonschema.validate(cluster, crd_schema("ray.io_rayclusters.yaml"))
+    # The pod templates are core Kubernetes PodTemplateSpecs.
+    groups = [svc["spec"]["rayClusterConfig"]["headGroupSpec"],
+              *svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]]
+    for g in groups:
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p"},
+               "spec": g["template"]["spec"]}
+        kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
+
+
+def test_schema_validation_catches_a_broken_manifest(rendered):
+    bad = copy.deepcopy(rendered["llama.yaml"][0])
+    bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, crd_schema("ray.io_rayservices.yaml"))
+
+
+@pytest.mark.parametrize("name,nodes,gpus,backend", [
+    ("deepseek", 1, "8", "ROCM_AITER_TRITON_MLA"),
+    ("qwen3", 1, "8", "ROCM_AITER_FA"),
+    ("llama", 1, "8", "ROCM_AITER_FA"),  # DP 2 × TP4 packs onto one 8-GPU node
+])
+def test_sizing_env_and_embedded_serve_config(rendered, name, nodes, gpus, backend):
+    svc = rendered[f"{name}.yaml"][0]
+    serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
+    (_, cfg), = rayattn_apps(serve_cfg)
+    plan = build_plan(cfg)  # the embedded serve config passes `rayattn check`
+    assert plan.backend.name == backend
+    wg = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
+    assert wg["replicas"] == nodes
+    c = wg["template"]["spec"]["containers"][0]
+    assert c["resources"]["limits"]["amd.com/gpu"] == gpus
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VLLM_ROCM_USE_AITER"]["value"] == "1"
+    assert env["RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES"]["value"] == "1"
+    assert "valueFrom" in env["HF_TOKEN"] and "value" not in env["HF_TOKEN"]
+    head = svc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert "amd.com/gpu" not in head["resources"]["limits"]
+    assert svc["spec"]["upgradeStrategy"]["type"] == "NewCluster"
+    shm = next(v for v in wg["template"]["spec"]["volumes"] if v["name"] == "dshm")
+    assert shm["emptyDir"]["medium"] == "Memory"
+
+
+def test_monitoring_dashboard_and_rules(rendered):
+    cm = rendered["grafana-dashboard.yaml"][0]
+    kubernetes_validate.validate(cm, K8S_VERSION, strict=True)
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    monitors = rendered["monitoring.yaml"]
+    assert {m["spec"]["selector"]["matchLabels"]["ray.io/node-type"] for m in monitors} == {
+        "head", "worker"}
+    reference = list(yaml.safe_load_all((SHARED / "podMonitor.yaml").read_text()))
+    assert {m["kind"] for m in monitors} == {r["kind"] for r in reference}
+    rule = rendered["prometheus-rules.yaml"][0]
+    assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"][0]["rules"]
