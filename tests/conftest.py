@@ -95,3 +95,8 @@ def reset(server):
 
     yield _reset
     _reset("affinity")
+
+
+def pytest_collection_modifyitems(config, items):
+    # Disruptive tests kill replicas of the shared deployment: run them last.
+    items.sort(key=lambda it: it.get_closest_marker("disruptive") is not None)

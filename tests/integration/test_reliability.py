@@ -1,0 +1,206 @@
+"""Reliability on real engines: a replica killed under load, overload, hostile input.
+
+Marked `disruptive`: conftest runs these after every other test because they kill a replica
+of the shared deployment."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import local_args, wait_healthy
+
+pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
+MODEL = "smollm2"
+
+
+def health(server: str) -> dict:
+    return httpx.get(f"{server}/health", timeout=30).json()
+
+
+# ---- hostile input -------------------------------------------------------------------------
+junk = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats()
+                    | st.text(max_size=20), lambda c: st.lists(c, max_size=3)
+                    | st.dictionaries(st.text(max_size=8), c, max_size=3), max_leaves=8)
+message = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant",
+                                                          "bogus"]) | junk,
+                                 "content": st.text(max_size=40) | junk})
+chat_body = st.fixed_dictionaries(
+    {"model": st.sampled_from([MODEL, MODEL, "nope", ""]) | junk,
+     "messages": st.lists(message, max_size=3) | junk},
+    optional={"max_tokens": st.integers(-3, 4) | st.sampled_from([10**12, 2**31]) | junk,
+              "temperature": st.floats(-1, 3) | junk, "top_p": st.floats(-1, 2),
+              "stream": st.booleans(), "stop": st.lists(st.text(max_size=3), max_size=6),
+              "n": st.integers(-1, 3), "seed": st.integers(-2**70, 2**70), "tools": junk,
+              "extra_field": junk})
+completion_body = st.fixed_dictionaries(
+    {"model": st.just(MODEL) | junk,
+     "prompt": st.text(max_size=40) | st.lists(st.integers(-5, 10**6), max_size=5) | junk},
+    optional={"max_tokens": st.integers(-2, 4) | junk, "stream": st.booleans(),
+              "echo": st.booleans(), "logprobs": st.booleans() | st.integers(0, 5)})
+raw_bytes = st.binary(max_size=200) | st.sampled_from([
+    b"[" * 100_000, b'{"model": "\xff\xfe"}', b"", b"null", b'{"messages": 1e999}'])
+
+FUZZ_COUNTS = {"sent": 0, "4xx": 0, "2xx": 0}
+
+
+def _check(r: httpx.Response) -> None:
+    FUZZ_COUNTS["sent"] += 1
+    assert r.status_code < 500, (r.status_code, r.text[:300])
+    if r.status_code >= 400:
+        FUZZ_COUNTS["4xx"] += 1
+        assert "error" in r.json() and r.json()["error"]["message"]
+    else:
+        FUZZ_COUNTS["2xx"] += 1
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=chat_body)
+def test_fuzz_chat(server, body):
+    _check(httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60))
+
+
+@settings(max_examples=350, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=completion_body)
+def test_fuzz_completions(server, body):
+    _check(httpx.post(f"{server}/v1/completions", json=body, timeout=60))
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=raw_bytes, path=st.sampled_from(["/v1/chat/completions", "/v1/completions"]))
+def test_fuzz_raw_bytes(server, data, path):
+    _check(httpx.post(f"{server}{path}", content=data, timeout=60,
+                      headers={"content-type": "application/json"}))
+
+
+def test_fuzz_totals_and_server_still_healthy(server, client):
+    print(f"\nfuzz: {FUZZ_COUNTS}")
+    assert FUZZ_COUNTS["sent"] >= 1000
+    assert FUZZ_COUNTS["2xx"] > 0 and FUZZ_COUNTS["4xx"] > 0
+    assert health(server)["status"] == "ok"
+    r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
+        {"role": "user", "content": "What is the capital of France?"}])
+    assert "Paris" in r.choices[0].message.content
+
+
+# ---- overload ------------------------------------------------------------------------------
+def test_overload_sheds_with_retry_after(ray_cluster, server):
+    from ray import serve
+
+    from rayattn.app import Router
+
+    args = local_args()
+    args["router"] = {**args.get("router", {}), "max_inflight": 4, "request_timeout_s": 60}
+    engines = [serve.get_deployment_handle(f"engine-{i}", app_name="rayattn") for i in (0, 1)]
+    serve.run(Router.options(name="router-small").bind(args, engines), name="small",
+              route_prefix="/small", blocking=False)
+    url = f"{server}/small"
+    wait_healthy(url)
+
+    async def go():
+        async with httpx.AsyncClient(timeout=90) as c:
+            return await asyncio.gather(*(c.post(f"{url}/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 32, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"overload {i}"}]})
+                for i in range(24)))  # 6x the admission limit
+
+    t0 = time.time()
+    rs = asyncio.run(go())
+    took = time.time() - t0
+    serve.delete("small")
+    codes = [r.status_code for r in rs]
+    print(f"\noverload: {codes.count(200)} ok, {codes.count(429)} rejected in {took:.1f}s")
+    assert set(codes) <= {200, 429}
+    assert codes.count(429) > 0 and codes.count(200) >= 4
+    assert all(int(r.headers["retry-after"]) > 0 for r in rs if r.status_code == 429)
+    assert all(r.json()["choices"][0]["message"]["content"] for r in rs if r.status_code == 200)
+    assert took < 90
+
+
+# ---- replica failure -----------------------------------------------------------------------
+def test_replica_killed_under_load_loses_nothing(server):
+    before = health(server)
+    victim = "engine-1"
+    pid = before["engines"][victim]["pid"]
+    counts0 = dict(before["counts"])
+    n, results, killed = 120, [], {}
+
+    async def one(i: int, c: httpx.AsyncClient) -> httpx.Response:
+        return await c.post(f"{server}/v1/chat/completions", json={
+            "model": MODEL, "max_tokens": 12, "ignore_eos": True, "temperature": 0,
+            "messages": [{"role": "user", "content": f"load {i}: name a colour"}]})
+
+    async def go():
+        sem = asyncio.Semaphore(8)
+        async with httpx.AsyncClient(timeout=180) as c:
+            async def guarded(i: int):
+                async with sem:
+                    if i == 30 and not killed:
+                        os.kill(pid, signal.SIGKILL)  # the replica's actor process
+                        killed["at"] = time.time()
+                    r = await one(i, c)
+                    results.append(r)
+            await asyncio.gather(*(guarded(i) for i in range(n)))
+
+    asyncio.run(go())
+    ok = [r for r in results if r.status_code == 200]
+    after = health(server)
+    counts = {k: after["counts"][k] - counts0[k] for k in counts0}
+    print(f"\nkill test: sent={n} succeeded={len(ok)} router counts={counts}")
+    assert killed and len(results) == n
+    assert len(ok) == n, [r.text for r in results if r.status_code != 200][:3]
+    assert counts["retried"] > 0
+    served = {r.headers["x-rayattn-replica"] for r in ok}
+    assert "engine-0" in served
+
+    # Serve restarts the replica; the router takes it back (new PID) and routes to it again.
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        h = health(server)
+        e = h["engines"][victim]
+        if e["up"] and e["pid"] != pid:
+            break
+        time.sleep(2)
+    assert e["up"] and e["pid"] != pid, h
+    later = set()
+    for i in range(12):
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"after restart {i}: {'x' * i}"}]})
+        assert r.status_code == 200
+        later.add(r.headers["x-rayattn-replica"])
+    assert victim in later
+
+
+def test_streaming_request_on_dying_replica_ends_with_error_event(server):
+    """A stream already emitting when its replica dies ends with an SSE error event."""
+    victim_pid = None
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
+            "model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True,
+            "stream": True}) as r:
+        events = []
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line)
+            if len(events) == 3:
+                served = health(server)["engines"]
+                busy = [n for n, e in served.items() if e["inflight"]]
+                victim_pid = served[busy[0]]["pid"]
+                os.kill(victim_pid, signal.SIGKILL)
+    assert victim_pid is not None
+    assert events[-1] == "data: [DONE]"
+    err = json.loads(events[-2][6:])
+    assert "error" in err and "mid-stream" in err["error"]["message"]
+    # leave the deployment whole for whatever runs next
+    deadline = time.time() + 240
+    while time.time() < deadline and len(health(server)["replicas_up"]) < 2:
+        time.sleep(2)
