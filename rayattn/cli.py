@@ -1,5 +1,5 @@
-"""`rayattn` command line: check configs, prepare the embedded model, render KubeRay
-manifests, benchmark and simulate routing policies."""
+"""`rayattn` command line: check configs, prepare the embedded model, make tiny test models,
+render KubeRay manifests. Benchmarks live in bench/."""
 
 from __future__ import annotations
 
@@ -62,11 +62,6 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("-o", "--out", help="write here instead of stdout")
     r.add_argument("--image", default=None, help="ROCm vLLM image")
     r.set_defaults(fn=cmd_render)
-    try:
-        from rayattn.bench.cli import add_parsers
-        add_parsers(sub)
-    except ImportError:
-        pass
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -140,14 +140,27 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
 
+    def record_retry(self) -> None:
+        self.counts["retried"] += 1
+        if self.metrics is not None:
+            self.metrics.retries.inc(1, self.metrics.base)
+
+    def record_failure(self, cause: BaseException) -> None:
+        self.counts["failed"] += 1
+        if self.metrics is not None:
+            self.metrics.failures.inc(1, {**self.metrics.base, "cause": type(cause).__name__})
+
     async def generate(self, req: GenerateRequest, route: RouteRequest,
-                       on_route: Any = None) -> AsyncIterator[tuple[Chunk, Decision]]:
+                       resend: bool = False) -> AsyncIterator[tuple[Chunk, Decision]]:
         """Stream chunks from one replica. A replica failing before its first chunk is
-        retried on another (bounded); after output has started the error propagates."""
+        retried on another (bounded); after output has started EngineFailure propagates and
+        the caller decides (non-streaming callers resend with `resend=True`, streaming ones
+        end the stream with an error) and records the outcome."""
         tried: set[str] = set()
         attempts = 1 + self.cfg.router.max_retries
         self.inflight += 1
-        self.counts["sent"] += 1
+        if not resend:
+            self.counts["sent"] += 1
         t0 = time.monotonic()
         try:
             for attempt in range(attempts):
@@ -159,8 +172,6 @@ class Dispatcher:
                 tried.add(d.replica)
                 if self.metrics is not None:
                     self.metrics.decision(d.reason, d.replica)
-                if on_route is not None:
-                    on_route(d)
                 got_output = False
                 try:
                     async for chunk in self._call(d, req, route):
@@ -178,14 +189,8 @@ class Dispatcher:
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
                     if got_output or attempt == attempts - 1:
-                        self.counts["failed"] += 1
-                        if self.metrics is not None:
-                            self.metrics.failures.inc(1, {**self.metrics.base,
-                                                          "cause": type(e).__name__})
                         raise EngineFailure(d.replica, e, got_output) from e
-                    self.counts["retried"] += 1
-                    if self.metrics is not None:
-                        self.metrics.retries.inc(1, self.metrics.base)
+                    self.record_retry()
         finally:
             self.inflight -= 1
             if self.metrics is not None:

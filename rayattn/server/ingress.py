@@ -132,15 +132,18 @@ class Ingress:
                 for attempt in range(1 + self.cfg.router.max_retries):
                     text, last = [], None
                     try:
-                        async for chunk, d in self.dispatcher.generate(greq, route):
+                        async for chunk, d in self.dispatcher.generate(greq, route,
+                                                                       resend=attempt > 0):
                             text.append(chunk.text)
                             last, decision = chunk, d
                         break
                     except EngineFailure as e:
                         # Nothing reached the client yet, so a fresh attempt is safe.
                         if attempt == self.cfg.router.max_retries:
+                            self.dispatcher.record_failure(e.cause)
                             return APIError(503, f"engine failure: {e}", retry_after=2) \
                                 .response()
+                        self.dispatcher.record_retry()
         except APIError as e:
             return e.response()
         except TimeoutError:
@@ -196,6 +199,7 @@ class Ingress:
             yield event(e.body())
             yield "data: [DONE]\n\n"
         except EngineFailure as e:
+            self.dispatcher.record_failure(e.cause)
             yield event(APIError(503, f"engine failure mid-stream: {e}").body())
             yield "data: [DONE]\n\n"
         except TimeoutError:
