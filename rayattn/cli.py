@@ -1,5 +1,5 @@
 """`rayattn` command line: check configs, prepare the embedded model, make tiny test models,
-render KubeRay manifests. Benchmarks live in bench/."""
+render KubeRay manifests, benchmark policies on real engines, simulate a fleet."""
 
 from __future__ import annotations
 
@@ -62,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("-o", "--out", help="write here instead of stdout")
     r.add_argument("--image", default=None, help="ROCm vLLM image")
     r.set_defaults(fn=cmd_render)
+    from rayattn.bench.cli import add_parsers
+
+    add_parsers(sub)
     args = p.parse_args(argv)
     return args.fn(args)
 

@@ -86,14 +86,12 @@ async def run_workload(url: str, model: str, workload: Workload, concurrency: in
     return results, time.monotonic() - t_origin
 
 
-def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size: int
-           ) -> dict[str, float]:
-    """Tokens an infinite cache could have served, in the order requests ran: each prompt's
-    longest prefix shared with any earlier request's prompt + output. Reported at token
-    granularity and block-aligned (what vLLM's block cache can serve at best)."""
+def replay_tokens(results: list[Result], workload: Workload, tokenizer: Any
+                  ) -> list[tuple[Result, list[int], list[int]]]:
+    """(result, prompt ids, output ids) in the order requests ran, rebuilt with the served
+    model's chat template exactly as the router built them."""
     convs = {c.session: c for c in workload.conversations}
-    seen: list[list[int]] = []
-    tok_hits = blk_hits = total = 0
+    out = []
     for r in sorted(results, key=lambda x: x.start_s):
         c = convs[r.session]
         msgs = [{"role": "system", "content": c.system}]
@@ -104,6 +102,19 @@ def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size
         msgs.append({"role": "user", "content": c.turns[r.turn]})
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        outs = tokenizer(r.output_text, add_special_tokens=False)["input_ids"]
+        out.append((r, ids, outs))
+    return out
+
+
+def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size: int
+           ) -> dict[str, float]:
+    """Tokens an infinite cache could have served, in the order requests ran: each prompt's
+    longest prefix shared with any earlier request's prompt + output. Reported at token
+    granularity and block-aligned (what vLLM's block cache can serve at best)."""
+    seen: list[list[int]] = []
+    tok_hits = blk_hits = total = 0
+    for _, ids, outs in replay_tokens(results, workload, tokenizer):
         best = 0
         for s in seen:
             n = 0
@@ -116,8 +127,7 @@ def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size
         tok_hits += best
         blk_hits += best // block_size * block_size
         total += len(ids)
-        out = tokenizer(r.output_text, add_special_tokens=False)["input_ids"]
-        seen.append(ids + out)
+        seen.append(ids + outs)
     return {"oracle_token_hit_rate": tok_hits / total if total else 0.0,
             "oracle_block_hit_rate": blk_hits / total if total else 0.0}
 

@@ -25,12 +25,15 @@ class BlockHasher:
         self._none_hash = self._hash_fn(seed)
         self._hash_block = kv_cache_utils.hash_block_tokens
 
-    def full_hashes(self, token_ids: Sequence[int]) -> list[bytes]:
-        """vLLM BlockHash values of every full block of `token_ids`, chained."""
-        out: list[bytes] = []
-        parent = self._none_hash
+    def full_hashes(self, token_ids: Sequence[int],
+                    known: Sequence[bytes] = ()) -> list[bytes]:
+        """vLLM BlockHash values of every full block of `token_ids`, chained. `known` are
+        already-computed hashes of its leading blocks (a conversation's earlier turns), so
+        only the new blocks are hashed."""
+        out: list[bytes] = list(known)
+        parent = out[-1] if out else self._none_hash
         bs = self.block_size
-        for start in range(0, len(token_ids) - bs + 1, bs):
+        for start in range(len(out) * bs, len(token_ids) - bs + 1, bs):
             parent = self._hash_block(self._hash_fn, parent, token_ids[start:start + bs], None)
             out.append(parent)
         return out

@@ -228,7 +228,9 @@ class Ingress:
                 "replicas": len(self.dispatcher.engines), "policy": self.dispatcher.policy.name,
                 "counts": self.dispatcher.counts,
                 "engines": {n: {"up": s.up, "inflight": self.dispatcher.load.inflight[n],
-                                "unfinished": s.info.get("unfinished"), "pid": s.pid}
+                                "unfinished": s.info.get("unfinished"), "pid": s.pid,
+                                "kv_blocks": s.info.get("num_gpu_blocks"),
+                                "backend": s.info.get("backend")}
                             for n, s in self.dispatcher.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
