@@ -43,7 +43,8 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
 
 def compare(url: str, model: str, workloads: dict, policies: list[str], concurrency: int,
-            block_size: int, tokenizer) -> tuple[dict, dict]:
+            block_size: int, tokenizer, rate: float | None = None,
+            progress: bool = False) -> tuple[dict, dict]:
     """Each policy on each workload, caches reset in between (needs router.admin_api)."""
     import httpx
 
@@ -55,7 +56,8 @@ def compare(url: str, model: str, workloads: dict, policies: list[str], concurre
         for pol in policies:
             r = httpx.post(f"{url}/admin/reset", json={"policy": pol}, timeout=60)
             r.raise_for_status()
-            res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency))
+            res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
+                                                 rate=rate, progress=progress))
             s = summarize(res, wall)
             s.update(oracle(res, wl, tokenizer, block_size))
             s["hit_vs_block_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
@@ -72,7 +74,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rayattn.bench.report import write_run
-    from rayattn.bench.workloads import multi_turn, shared_prefix
+    from rayattn.bench.workloads import long_doc_qa, mix, multi_turn, shared_prefix
     from rayattn.models.embedded import resolve_embedded
 
     url = a.target
@@ -82,12 +84,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
                                              seed=a.seed),
               "multi_turn": multi_turn(conversations=a.conversations, turns=a.turns,
-                                       seed=a.seed)}
+                                       seed=a.seed),
+              "long_doc_qa": long_doc_qa(seed=a.seed), "mix": mix(seed=a.seed)}
     workloads = {k: v for k, v in wl_all.items() if k in a.workload.split(",")}
     tok = AutoTokenizer.from_pretrained(a.tokenizer or
                                         str(resolve_embedded("rayattn://smollm2-135m")))
     table, raw = compare(url, a.model, workloads, a.policies.split(","), a.concurrency,
-                         a.block_size, tok)
+                         a.block_size, tok, rate=a.rate, progress=True)
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
     return 0
@@ -144,7 +147,11 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--port", type=int, default=8123)
     b.add_argument("--model", default="smollm2")
     b.add_argument("--tokenizer", help="tokenizer path for the oracle (default: SmolLM2)")
-    b.add_argument("--workload", default="shared_prefix,multi_turn")
+    b.add_argument("--workload", default="shared_prefix,multi_turn",
+                   help="comma list of shared_prefix, multi_turn, long_doc_qa, mix")
+    b.add_argument("--rate", type=float, default=None,
+                   help="open loop: Poisson conversation arrivals per second "
+                        "(default: closed loop at --concurrency)")
     b.add_argument("--policies", default=",".join(POLICIES))
     b.add_argument("--concurrency", type=int, default=8)
     b.add_argument("--groups", type=int, default=6)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -64,13 +65,22 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
 
 
 async def run_workload(url: str, model: str, workload: Workload, concurrency: int = 8,
-                       timeout: float = 300) -> tuple[list[Result], float]:
-    """Conversations run concurrently (up to `concurrency`), turns of one in order."""
-    sem = asyncio.Semaphore(concurrency)
+                       timeout: float = 300, rate: float | None = None, seed: int = 0,
+                       progress: bool = False) -> tuple[list[Result], float]:
+    """Closed loop: conversations run concurrently (up to `concurrency`), turns of one in
+    order. Open loop (`rate` req/s): conversations start as a Poisson process instead."""
+    sem = asyncio.Semaphore(concurrency if rate is None else 10**6)
     results: list[Result] = []
     t_origin = time.monotonic()
+    starts, t = [], 0.0
+    rng = random.Random(seed)
+    for _ in workload.conversations:
+        starts.append(t)
+        if rate:
+            t += rng.expovariate(rate)
 
-    async def conversation(c: Conversation, client: httpx.AsyncClient) -> None:
+    async def conversation(c: Conversation, client: httpx.AsyncClient, start: float) -> None:
+        await asyncio.sleep(max(0.0, start - (time.monotonic() - t_origin)))
         async with sem:
             messages = [{"role": "system", "content": c.system}]
             for t, user in enumerate(c.turns):
@@ -78,11 +88,17 @@ async def run_workload(url: str, model: str, workload: Workload, concurrency: in
                 res = await _one(client, url, model, list(messages), c, t, t_origin)
                 res.prompt_ids = None
                 results.append(res)
+                if progress:
+                    done = len(results)
+                    print(f"\r  {done}/{workload.num_requests} requests", end="", flush=True)
                 messages.append({"role": "assistant", "content": res.output_text})
 
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
-        await asyncio.gather(*(conversation(c, client) for c in workload.conversations))
+        await asyncio.gather(*(conversation(c, client, s)
+                               for c, s in zip(workload.conversations, starts, strict=True)))
+    if progress:
+        print()
     return results, time.monotonic() - t_origin
 
 

@@ -59,4 +59,29 @@ def multi_turn(conversations: int = 8, turns: int = 4, shared_systems: int = 2,
     return Workload("multi_turn", convs)
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn}
+def long_doc_qa(documents: int = 3, questions_per_doc: int = 10, doc_words: int = 900,
+                question_words: int = 15, max_tokens: int = 16, seed: int = 0) -> Workload:
+    """A few long documents, many questions about each (questions of one document interleave
+    with the others')."""
+    rng = random.Random(seed)
+    docs = [f"Document {d}:\n" + _text(rng, doc_words) for d in range(documents)]
+    convs = [Conversation(f"Answer from this document only.\n{docs[d]}",
+                          [f"Question {q}: " + _text(rng, question_words)], f"doc{d}-q{q}",
+                          max_tokens)
+             for q in range(questions_per_doc) for d in range(documents)]
+    return Workload("long_doc_qa", convs)
+
+
+def mix(seed: int = 0) -> Workload:
+    """Shared-prefix, multi-turn and long-document requests interleaved in one trace."""
+    parts = [shared_prefix(groups=3, prompts_per_group=6, seed=seed),
+             multi_turn(conversations=6, turns=3, seed=seed + 1),
+             long_doc_qa(documents=2, questions_per_doc=6, seed=seed + 2)]
+    rng = random.Random(seed)
+    convs = [c for p in parts for c in p.conversations]
+    rng.shuffle(convs)
+    return Workload("mix", convs)
+
+
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn,
+             "long_doc_qa": long_doc_qa, "mix": mix}

@@ -52,3 +52,19 @@ def test_bench_smoke_and_simulator_agrees(server, tmp_path, reset):
     sim = simulate(trace, 2, "affinity", EngineModel(capacity_blocks=blocks, block_size=32))
     print(f"\nreal hit rate {real:.3f}, simulated {sim.hit_rate:.3f}")
     assert abs(sim.hit_rate - real) <= 0.05
+
+
+def test_open_loop_long_document_workload(server, reset):
+    import asyncio
+
+    from rayattn.bench.driver import run_workload, summarize
+    from rayattn.bench.workloads import long_doc_qa
+
+    reset("affinity")
+    wl = long_doc_qa(documents=2, questions_per_doc=4, doc_words=250, seed=5)
+    res, wall = asyncio.run(run_workload(server, "smollm2", wl, rate=4.0, seed=1))
+    s = summarize(res, wall)
+    assert s["ok"] == 8
+    assert s["paths"]["extend"] >= 4  # later questions reuse their document's cached prefix
+    starts = sorted(r.start_s for r in res)
+    assert starts[-1] - starts[0] > 0.3  # arrivals were spread by the Poisson process
