@@ -16,8 +16,12 @@ pytestmark = pytest.mark.integration
 def test_bench_smoke_and_simulator_agrees(server, tmp_path, reset):
     out = tmp_path / "bench"
     assert main(["bench", "--target", server, "--workload", "shared_prefix",
-                 "--policies", "affinity,round_robin", "--groups", "4", "--prompts", "6",
-                 "--concurrency", "4", "--out", str(out)]) == 0
+                 "--policies", "affinity,round_robin", "--groups", "3", "--prompts", "8",
+                 # serial, and an odd group count so round-robin does not line groups up
+                 # with replicas by accident; isolates cache-following from the cost
+                 # model's load trade-off
+                 # (covered by test_affinity.py and the simulator)
+                 "--concurrency", "1", "--out", str(out)]) == 0
     table = json.loads((out / "policies.json").read_text())["shared_prefix"]
     for pol in ("affinity", "round_robin"):
         s = table[pol]
@@ -43,7 +47,7 @@ def test_bench_smoke_and_simulator_agrees(server, tmp_path, reset):
     from rayattn.bench.driver import run_workload, summarize
 
     wl = shared_prefix(groups=4, prompts_per_group=6, seed=11)
-    res, wall = asyncio.run(run_workload(server, "smollm2", wl, concurrency=4))
+    res, wall = asyncio.run(run_workload(server, "smollm2", wl, concurrency=2))
     real = summarize(res, wall)["hit_rate"]
     tok = AutoTokenizer.from_pretrained(str(resolve_embedded("rayattn://smollm2-135m")))
     blocks = min(e["kv_blocks"] for e in
