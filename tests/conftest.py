@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayattn.bench.cli import wait_healthy
+
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
              "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -43,23 +45,6 @@ def ray_cluster():
     yield {"metrics_port": metrics_port, "http_port": http_port}
     serve.shutdown()
     ray.shutdown()
-
-
-def wait_healthy(url: str, timeout: float = 240, want: int = 2) -> dict:
-    import httpx
-
-    deadline = time.time() + timeout
-    last = None
-    while time.time() < deadline:
-        try:
-            r = httpx.get(f"{url}/health", timeout=10)
-            last = r.json()
-            if r.status_code == 200 and len(last["replicas_up"]) >= want:
-                return last
-        except Exception as e:  # proxy not up yet
-            last = repr(e)
-        time.sleep(1)
-    raise TimeoutError(f"deployment not healthy: {last}")
 
 
 @pytest.fixture(scope="session")

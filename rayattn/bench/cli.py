@@ -16,7 +16,6 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     import os
     import time
 
-    import httpx
     import ray
     import yaml
     from ray import serve
@@ -31,15 +30,28 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     t0 = time.time()
     serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
     url = f"http://127.0.0.1:{port}"
-    while time.time() - t0 < 300:
+    wait_healthy(url)
+    return url, time.time() - t0
+
+
+def wait_healthy(url: str, timeout: float = 300) -> dict:
+    """Poll /health until every engine replica is up."""
+    import time
+
+    import httpx
+
+    deadline = time.time() + timeout
+    last: object = None
+    while time.time() < deadline:
         try:
-            h = httpx.get(f"{url}/health", timeout=5)
-            if h.status_code == 200 and len(h.json()["replicas_up"]) == len(h.json()["engines"]):
-                return url, time.time() - t0
-        except httpx.HTTPError:
-            pass
+            r = httpx.get(f"{url}/health", timeout=10)
+            last = r.json()
+            if r.status_code == 200 and len(last["replicas_up"]) == len(last["engines"]):
+                return last
+        except (httpx.HTTPError, ValueError) as e:  # proxy or route not up yet
+            last = repr(e)
         time.sleep(1)
-    raise TimeoutError("local deployment did not become healthy")
+    raise TimeoutError(f"deployment not healthy: {last}")
 
 
 def compare(url: str, model: str, workloads: dict, policies: list[str], concurrency: int,

@@ -164,7 +164,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         spec, reason = backends.resolve(cfg.attention.backend, plat, arch.kind)
     except ValueError as e:
         raise PlanError([str(e)]) from None
-    block_size = cfg.attention.block_size or DEFAULT_BLOCK(plat, spec)
+    block_size = cfg.attention.block_size or default_block_size(plat, spec)
     problems = _check(cfg, arch, spec, block_size)
     if problems:
         raise PlanError(problems)
@@ -194,7 +194,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
                 cfg.parallelism.data_parallel_size, notes)
 
 
-def DEFAULT_BLOCK(platform: str, spec: backends.BackendSpec) -> int:  # noqa: N802
+def default_block_size(platform: str, spec: backends.BackendSpec) -> int:
     default = backends.DEFAULT_BLOCK_SIZE[platform]
     if spec.block_size_ok(default):
         return default
@@ -243,8 +243,11 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
         enable_chunked_prefill=e.enable_chunked_prefill,
         prefix_caching_hash_algo=e.prefix_caching_hash_algo,
         enforce_eager=e.enforce_eager or cfg.platform.kind == "cpu",
-        # Per-request timings (RequestOutput.metrics) feed the per-path metrics.
-        disable_log_stats=False,
+        # Stats stay on because rayattn always passes custom stat loggers (AsyncLLM keeps
+        # log_stats when any are given, so RequestOutput.metrics still feeds the per-path
+        # metrics); this only drops vLLM's default logging stat logger, which would print
+        # one line per engine step once iteration details are enabled.
+        disable_log_stats=True,
     )
     if par.all2all_backend:
         kw["all2all_backend"] = par.all2all_backend

@@ -35,10 +35,6 @@ class EngineReplica:
 
         from rayattn.metrics.engine_metrics import EngineMetrics, make_step_logger_factory
 
-        # vLLM's logging stat logger would print one line per step once iteration details
-        # are on; they go to Prometheus instead.
-        logging.getLogger("vllm.v1.metrics.loggers").setLevel(logging.WARNING)
-
         self.rank = rank
         self.cfg, self.plan = cfg, plan
         self.replica_id = _replica_id(rank)

@@ -26,9 +26,6 @@ class LoadTracker:
         self.inflight[replica] = max(0, self.inflight[replica] - 1)
         self.prefill_done(replica, prefill_tokens_left)
 
-    def decoding(self, replica: str) -> int:
-        return self.inflight[replica]
-
     def forget(self, replica: str) -> None:
         self.inflight.pop(replica, None)
         self.pending_prefill.pop(replica, None)

@@ -36,6 +36,8 @@ class RouteRequest:
     session: str | None = None
     text: str = ""
     """Prompt text; only the `ray_prefix` comparison policy looks at it."""
+    block_hashes: list[bytes] = field(default_factory=list)
+    """Full vLLM hashes behind `keys`, so prompt + output can be hashed incrementally."""
 
 
 @dataclass

@@ -23,7 +23,7 @@ from ray import exceptions as ray_exc
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import Chunk, GenerateRequest
 from rayattn.metrics.router_metrics import RouterMetrics
-from rayattn.routing.hashing import BlockHasher
+from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, RouteRequest, make_policy
 from rayattn.routing.prefix_index import PrefixIndex
@@ -125,9 +125,10 @@ class Dispatcher:
 
     # --- routing ------------------------------------------------------------------------
     def route_request(self, token_ids: list[int], session: str | None, text: str) -> RouteRequest:
-        keys = self.hasher.keys(token_ids)
+        hashes = self.hasher.full_hashes(token_ids)
+        keys = [to_key(h) for h in hashes]
         head = keys[0] if keys else hash(tuple(token_ids[: self.hasher.block_size]))
-        return RouteRequest(keys, len(token_ids), head, session, text)
+        return RouteRequest(keys, len(token_ids), head, session, text, hashes)
 
     def admit(self) -> None:
         if self.inflight >= self.cfg.router.max_inflight:
@@ -224,7 +225,9 @@ class Dispatcher:
                out_tokens: list[int]) -> None:
         # Multi-turn: the engine now caches prompt + generated tokens; index them all so the
         # next turn finds its whole history.
-        self.policy.on_complete(d.replica, self.hasher.keys(req.prompt_token_ids + out_tokens))
+        # Only the blocks after the prompt's are new: reuse its hashes.
+        full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens, route.block_hashes)
+        self.policy.on_complete(d.replica, [to_key(h) for h in full])
         t = last.timings
         cost = getattr(self.policy, "cost", None)
         if cost is not None and t:

@@ -16,7 +16,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import local_args, wait_healthy
+from rayattn.bench.cli import wait_healthy
+from tests.conftest import local_args
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
 MODEL = "smollm2"
