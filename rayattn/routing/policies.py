@@ -71,13 +71,15 @@ class CostModel:
         per_tok = min(per_tok, self.prefill_s_per_token * 10)
         self.prefill_s_per_token += self.alpha * (per_tok - self.prefill_s_per_token)
 
-    def observe_decode(self, itl_s: float | None) -> None:
-        """Refit what one in-flight request costs a newcomer: about one decode step of
-        delay per co-running request (its mean inter-token latency)."""
+    def observe_decode(self, itl_s: float | None, running: int = 1) -> None:
+        """Refit what one in-flight request costs a newcomer: the marginal step time of one
+        more co-running sequence, i.e. the observed inter-token latency shared by the
+        sequences that were running (the whole ITL would charge each of them a full step
+        and make the router flee any replica holding a few decodes)."""
         if itl_s is None or itl_s <= 0:
             return
-        itl_s = min(itl_s, max(self.decode_s_per_request, 1e-3) * 10)
-        self.decode_s_per_request += self.alpha * (itl_s - self.decode_s_per_request)
+        per_seq = min(itl_s / max(running, 1), max(self.decode_s_per_request, 1e-3) * 10)
+        self.decode_s_per_request += self.alpha * (per_seq - self.decode_s_per_request)
 
 
 class Policy:

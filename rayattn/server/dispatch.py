@@ -233,7 +233,7 @@ class Dispatcher:
         if cost is not None and t:
             cost.observe_prefill(last.prompt_tokens - last.num_cached_tokens,
                                  last.num_cached_tokens, t.get("prefill_s", 0.0))
-            cost.observe_decode(t.get("itl_s"))
+            cost.observe_decode(t.get("itl_s"), self.load.inflight[d.replica])
         if self.metrics is not None:
             self.metrics.outcome(d.predicted_cached_tokens, last.num_cached_tokens,
                                  last.prompt_tokens, t.get("e2e_s", 0.0) if t else 0.0)
