@@ -19,6 +19,8 @@ check: venv
 lint: venv
 	.venv/bin/ruff check rayattn tests bench
 
+# The metrics test starts a real Prometheus: fetched into .venv/prometheus if not on PATH.
 test: venv
+	./scripts/install-prometheus.sh
 	.venv/bin/ruff check rayattn tests bench
-	.venv/bin/python -m pytest -v --durations=15
+	PATH="$(CURDIR)/.venv/prometheus/bin:$$PATH" .venv/bin/python -m pytest -v --durations=15

@@ -45,7 +45,7 @@ class Router(Ingress):
 
     @app.get("/v1/models")
     async def list_models(self):
-        return self.models()
+        return await self.models()
 
     @app.post("/admin/reset")
     async def reset(self, request: Request):

@@ -3,15 +3,24 @@ whether a (model, platform, backend) combination can run.
 
 The facts come from the backend classes in vLLM (`get_supported_head_sizes`,
 `get_supported_kernel_block_sizes`, `supports_sink`, `supported_kv_cache_dtypes`, the metadata
-builder's CUDA-graph support). They are written out here, not imported, because ROCm and CUDA
-backends do not import on other platforms and `rayattn check` must run anywhere;
-tests/unit/test_backends.py checks every entry against the installed vLLM where it imports.
+builder's CUDA-graph support). The static table below holds them as vLLM `CATALOG_VLLM` has
+them, because ROCm and CUDA backends do not import on every build and `rayattn check` must run
+anywhere, vLLM or not. Where a vLLM in the supported range (rayattn.compat) is installed and a
+backend's class imports, `resolve` overlays the installed class's facts on the static entry, so
+a plan is checked against the vLLM that will run it. tests/unit/test_backends.py checks the
+static table against vLLM `CATALOG_VLLM` and the overlay against whatever is installed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Literal
+
+from rayattn import compat
+
+CATALOG_VLLM = "0.32.0"
+"""The vLLM whose backend classes the static facts below were copied from."""
 
 Kind = Literal["mha", "mla"]
 _STD_KV = ("auto", "float16", "bfloat16", "fp8", "fp8_e4m3", "fp8_e5m2")
@@ -35,6 +44,9 @@ class BackendSpec:
     env: dict[str, str] = field(default_factory=dict)
     """Environment the engine processes need for this backend."""
     notes: str = ""
+    facts_from: str = f"static table (vLLM {CATALOG_VLLM})"
+    """Where head/block sizes, KV dtypes and sinks come from: the static table, or the
+    installed vLLM's backend class (see `installed`)."""
 
     def block_size_ok(self, block_size: int) -> bool:
         if block_size in self.block_sizes:
@@ -156,10 +168,8 @@ DEFAULT_BLOCK_SIZE = {"rocm": 16, "cuda": 16, "cpu": 128}
 # keep vLLM's choice by not passing block_size unless the user does.
 PLATFORM_ENV: dict[str, dict[str, str]] = {
     "rocm": {
-        # Ray would otherwise rewrite HIP_VISIBLE_DEVICES per actor, hiding the GPUs vLLM's
-        # own Ray workers were assigned (vLLM PR 21522 / Ray issue 53737).
-        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
-        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1",
+        # RAY_EXPERIMENTAL_NOSET_* is not here: it is only right where vLLM's own Ray executor
+        # runs the workers (TP×PP > 1); see RAY_EXECUTOR_ENV and rayattn/config/plan.py.
         "HIP_FORCE_DEV_KERNARG": "1",
         "NCCL_MIN_NCHANNELS": "112",
         "TORCH_NCCL_HIGH_PRIORITY": "1",
@@ -174,12 +184,31 @@ PLATFORM_ENV: dict[str, dict[str, str]] = {
     },
 }
 
+# Set only for replicas whose engine runs vLLM's Ray executor (TP×PP > 1): there Ray must
+# leave the device visibility variables alone in every actor, because vLLM's executor sets
+# them itself for the workers it places in the replica's placement group (vLLM PR 21522 / Ray
+# issue 53737: with Ray's per-actor HIP_VISIBLE_DEVICES the workers' GPUs were hidden). A
+# single-GPU replica must NOT have them: its engine core then sees every GPU of the node and
+# uses device 0, so all DP ranks of a node stack on GPU 0 (seen with the CUDA counterpart on
+# 2 × H200: the second engine failed with "No available memory for the cache blocks").
+# On CUDA vLLM's Ray executor sets CUDA_VISIBLE_DEVICES for its workers without it (TP2 on
+# 2 × H200 ran in the replica's placement group, one GPU per worker).
+RAY_EXECUTOR_ENV: dict[str, dict[str, str]] = {
+    "rocm": {
+        "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",
+        "RAY_EXPERIMENTAL_NOSET_ROCR_VISIBLE_DEVICES": "1",
+    },
+    "cuda": {},
+    "cpu": {},
+}
+
 # vLLM's Ray executor copies only some prefixes (VLLM_, NCCL_, …) into its workers; these
 # must be added through VLLM_RAY_EXTRA_ENV_VARS_TO_COPY.
 RAY_EXTRA_ENV_PREFIXES = ("HIP_", "ROCR_", "SAFETENSORS_", "TORCH_NCCL_", "RAY_EXPERIMENTAL_")
 
 
 def get(name: str) -> BackendSpec:
+    """The static catalog entry (no vLLM needed)."""
     try:
         return CATALOG[name]
     except KeyError:
@@ -189,10 +218,36 @@ def get(name: str) -> BackendSpec:
         ) from None
 
 
+def installed(spec: BackendSpec) -> BackendSpec:
+    """`spec` with the facts of the installed vLLM's backend class where that class imports;
+    the static entry unchanged where vLLM is absent or the class does not import here."""
+    facts = compat.backend_facts(spec.name)
+    if not facts:
+        return spec
+    facts = {k: v for k, v in facts.items() if k != "kind"}  # kind is checked by the tests
+    return dataclasses.replace(spec, **facts,
+                               facts_from=f"installed vLLM {compat.vllm_version()}")
+
+
+def missing_from_installed(name: str) -> bool:
+    """True when a vLLM is installed and its AttentionBackendEnum lacks `name` (e.g. AMX_MLA
+    and CPU_MLA are not in vLLM 0.25)."""
+    names = compat.installed_backend_names()
+    return names is not None and name not in names
+
+
 def resolve(name: str, platform: str, kind: Kind) -> tuple[BackendSpec, str]:
-    """Return the backend and a sentence saying how it was chosen."""
+    """Return the backend (facts of the installed vLLM where readable) and a sentence saying
+    how it was chosen and where its facts come from."""
     if name == "auto":
         chosen = RECOMMENDED[(platform, kind)]
-        why = f"recommended {kind.upper()} backend on {platform}"
-        return CATALOG[chosen], f"auto -> {chosen} ({why})"
-    return get(name), f"{name} (named in config)"
+        spec, why = CATALOG[chosen], f"auto -> {chosen} (recommended {kind.upper()} backend " \
+                                     f"on {platform})"
+    else:
+        spec, why = get(name), f"{name} (named in config)"
+    spec = installed(spec)
+    why += f" [facts: {spec.facts_from}]"
+    if missing_from_installed(spec.name):
+        why += (f" [not a backend of the installed vLLM {compat.vllm_version()}: the engines "
+                "need a vLLM that has it]")
+    return spec, why

@@ -32,9 +32,15 @@ def cmd_prepare(args: argparse.Namespace) -> int:
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
-    from rayattn.models.tiny import make_tiny_model
+    from rayattn.models.tiny import SHAPES, make_shaped_model, make_tiny_model
 
-    print(make_tiny_model(args.arch, args.out))
+    if args.arch in SHAPES:
+        over = {k: v for k, v in (("num_hidden_layers", args.layers),
+                                  ("n_routed_experts", args.experts),
+                                  ("max_position_embeddings", args.max_pos)) if v}
+        print(make_shaped_model(args.arch, args.out, args.tokenizer, **over))
+    else:
+        print(make_tiny_model(args.arch, args.out))
     return 0
 
 
@@ -54,8 +60,14 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("source", nargs="?", default="rayattn://smollm2-135m")
     m.set_defaults(fn=cmd_prepare)
     t = sub.add_parser("tiny-model", help="generate a tiny random-weight model")
-    t.add_argument("arch", choices=["llama", "qwen3-moe", "deepseek-mla"])
+    t.add_argument("arch", choices=["llama", "qwen3-moe", "deepseek-mla",
+                                    "llama-0.85b", "deepseek-v2-lite"],
+                   help="tiny test models, or random models of a real shape (GPU benches)")
     t.add_argument("out")
+    t.add_argument("--tokenizer", help="real shapes: copy this tokenizer (else train one)")
+    t.add_argument("--layers", type=int, help="real shapes: override the layer count")
+    t.add_argument("--experts", type=int, help="real shapes: override the routed experts")
+    t.add_argument("--max-pos", type=int, help="real shapes: max_position_embeddings")
     t.set_defaults(fn=cmd_tiny)
     r = sub.add_parser("render-k8s", help="render a KubeRay RayService from a Serve config")
     r.add_argument("config")

@@ -83,5 +83,10 @@ def reset(server):
 
 
 def pytest_collection_modifyitems(config, items):
-    # Disruptive tests kill replicas of the shared deployment: run them last.
-    items.sort(key=lambda it: it.get_closest_marker("disruptive") is not None)
+    # Disruptive tests kill replicas of the shared deployment: run them last, then the few
+    # that need what they leave behind (retry/failure counters).
+    def order(it) -> int:
+        if it.get_closest_marker("after_disruptive"):
+            return 2
+        return 1 if it.get_closest_marker("disruptive") else 0
+    items.sort(key=order)

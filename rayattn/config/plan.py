@@ -172,6 +172,12 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     notes: list[str] = []
     env = {**backends.PLATFORM_ENV[plat], **spec.env,
            "PYTHONHASHSEED": cfg.engine.hash_seed, "VLLM_NO_USAGE_STATS": "1"}
+    if cfg.parallelism.gpus_per_replica > 1 and plat != "cpu":
+        # TP×PP > 1: vLLM's own Ray executor places the workers in the replica's placement
+        # group and sets their device visibility itself, so Ray must not (RAY_EXPERIMENTAL_
+        # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
+        # with NOSET there, every DP rank of a node would run on device 0.
+        env.update(backends.RAY_EXECUTOR_ENV[plat])
     if plat == "rocm" and spec.name != "ROCM_AITER_FA":
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
     env.update(cfg.engine.env)
@@ -225,7 +231,7 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
     kw: dict[str, Any] = dict(
         model=str(local) if local else m.source,
         served_model_name=[m.name],
-        dtype=m.dtype,
+        dtype="float32" if m.dtype == "auto" and cfg.platform.kind == "cpu" else m.dtype,
         max_model_len=m.max_model_len,
         trust_remote_code=m.trust_remote_code,
         attention_backend=spec.name,

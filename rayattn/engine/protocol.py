@@ -24,3 +24,6 @@ class Chunk:
     completion_tokens: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     """On the final chunk: ttft_s, prefill_s, queue_s, e2e_s, path."""
+    served_by: dict[str, Any] = field(default_factory=dict)
+    """On the final chunk: the engine's own identity (rank name, replica, pid), so clients
+    and tests can check where a request really ran, independently of the router."""

@@ -14,6 +14,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.engine.protocol import Chunk, GenerateRequest
@@ -28,6 +29,12 @@ class EngineReplica:
         # The engine core is a child process: it inherits this environment, including the
         # PYTHONHASHSEED that makes its block hashes match the router's.
         os.environ.update(plan.env)
+        compat.apply_engine_env(os.environ, cfg.platform.kind)  # vLLM-version/install fixes
+        # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
+        # watcher in its own session ends them when this process is gone.
+        from rayattn.engine import reaper
+
+        self._reaper = reaper.start_for_current_process()
 
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -43,8 +50,9 @@ class EngineReplica:
         kwargs = dict(plan.engine_kwargs)
         loggers: list[Any] = [RayPrometheusStatLogger]
         if self.metrics is not None:
-            kwargs["enable_logging_iteration_details"] = True
+            kwargs.update(compat.step_metrics_kwargs(self.metrics))
             loggers.append(make_step_logger_factory(self.metrics))
+        kwargs.update(compat.device_report_kwargs(cfg.platform.kind, kwargs))
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
@@ -58,6 +66,8 @@ class EngineReplica:
             "max_model_len": self.engine.vllm_config.model_config.max_model_len,
             "startup_s": round(time.monotonic() - t0, 2),
         }
+        self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
+                                                              exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._info)
 
     async def info(self) -> dict[str, Any]:
@@ -70,8 +80,18 @@ class EngineReplica:
             self.metrics.info.set(1, {**self.metrics.tags, "tp": str(par.tensor_parallel_size),
                                       "ep": str(par.enable_expert_parallel).lower(),
                                       "platform": self.cfg.platform.kind})
-        return {**self._info,
+        return {**self._info, **(await compat.engine_device_info(self)),
                 "unfinished": self.engine.output_processor.get_num_unfinished_requests()}
+
+    def __del__(self) -> None:
+        # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
+        # shutdown): stop the engine core now rather than leaving it to the watcher.
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            try:
+                engine.shutdown()
+            except Exception:
+                log.exception("engine shutdown failed")
 
     async def check_health(self) -> None:
         # Serve calls this periodically; raising makes Serve replace the replica. A live
@@ -107,6 +127,8 @@ class EngineReplica:
                           completion_tokens=generated)
             if out.finished:
                 chunk.timings = self._timings(out, start, first_token_at, generated)
+                chunk.served_by = {"engine": f"engine-{self.rank}",
+                                   "replica": self.replica_id, "pid": os.getpid()}
                 if self.metrics is not None:
                     try:
                         self.metrics.record_request(chunk.timings["path"], chunk.prompt_tokens,

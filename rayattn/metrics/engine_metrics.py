@@ -55,6 +55,12 @@ class EngineMetrics:
         self.info = rm.Gauge("rayattn_engine_info",
                              "1 per engine replica, labelled with its layout",
                              tag_keys=(*TAGS, "tp", "ep", "platform"))
+        self.step_metrics_available = True
+        """Set by rayattn.compat.step_metrics_kwargs: False where vLLM has no per-step details."""
+        self.step_available = rm.Gauge("rayattn_step_metrics_available",
+                                       "1 when the engine's vLLM ships per-step details (the "
+                                       "rayattn_step_* series), 0 where it does not",
+                                       tag_keys=TAGS)
 
     def record_request(self, path: str, prompt_tokens: int, cached: int, generated: int,
                        timings: dict[str, Any]) -> None:
@@ -127,6 +133,8 @@ def make_step_logger_factory(metrics: EngineMetrics):
 
         def log(self) -> None:  # vLLM calls this every few seconds
             self.metrics.flush_steps()
+            self.metrics.step_available.set(int(self.metrics.step_metrics_available),
+                                            self.metrics.tags)
 
         def log_engine_initialized(self) -> None:
             pass

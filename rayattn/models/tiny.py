@@ -11,7 +11,10 @@ _CHAT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def _tokenizer(out: Path) -> None:
+def _tokenizer(out: Path, vocab: int = 512) -> None:
+    import random
+    import string
+
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -20,10 +23,18 @@ def _tokenizer(out: Path) -> None:
     words = ("the a cache block token router replica prefix decode extend prefill attention "
              "paris france capital question answer system user assistant").split()
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(500)]
-    trainer = trainers.BpeTrainer(vocab_size=512, special_tokens=[
+    if vocab > 512:
+        # A real-size vocabulary needs enough distinct words to merge into (~10 s for 32000).
+        rng = random.Random(0)
+        words += ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 10)))
+                  for _ in range(60000)]
+        corpus = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(20000)]
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[
         "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    if tok.get_vocab_size() != vocab:
+        raise ValueError(f"tokenizer trained to {tok.get_vocab_size()} tokens, not {vocab}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",
                                    unk_token="<unk>", pad_token="<unk>")
     fast.chat_template = _CHAT_TEMPLATE
@@ -62,4 +73,127 @@ def make_tiny_model(arch: str, out: str | Path) -> Path:
     model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     _tokenizer(out)
+    return out
+
+
+# --- random models at real shapes (GPU benchmarks, bench/gpu) --------------------------------
+# Weights are drawn on the GPU where there is one and written layer by layer as safetensors
+# shards with an index, without instantiating modelling code: seconds for billions of
+# parameters, and host memory holds one layer at a time.
+SHAPES: dict[str, dict] = {
+    # The 0.85B Llama of the GPU recipe (../shared/gpu/make_model.py): GQA 32/8, head_dim 64.
+    "llama-0.85b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
+                        num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, max_position_embeddings=40960),
+    # DeepSeek-V2-Lite's shape (15.7B total, 2.4B active): MLA with 16 heads, kv_lora_rank 512,
+    # q_lora_rank none, qk_nope 128 + rope 64, v 128; 27 layers, the first dense (10944), then
+    # 64 routed experts (6 per token, 1408 wide) + 2 shared. Not copied: the vocabulary (32000
+    # here, to match the tokenizer; 102400 in V2-Lite: only the LM head of the last token
+    # differs) and YaRN rope scaling (plain rope here; same kernels).
+    "deepseek-v2-lite": dict(vocab_size=32000, hidden_size=2048, intermediate_size=10944,
+                             moe_intermediate_size=1408, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16,
+                             n_shared_experts=2, n_routed_experts=64, num_experts_per_tok=6,
+                             kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                             qk_nope_head_dim=128, v_head_dim=128, topk_method="greedy",
+                             n_group=1, topk_group=1, first_k_dense_replace=1,
+                             norm_topk_prob=False, routed_scaling_factor=1.0,
+                             max_position_embeddings=40960),
+}
+
+
+def make_shaped_model(arch: str, out: str | Path, tokenizer: str | Path | None = None,
+                      device: str | None = None, **overrides) -> Path:
+    """Random bf16 model of a real shape (`SHAPES`; `overrides` change any config field, e.g.
+    num_hidden_layers=2 for a quick check). `tokenizer`: a directory whose tokenizer files are
+    copied (its size must equal the vocabulary); else one is trained (~10 s for 32000)."""
+    import json
+    import shutil
+    import time
+
+    import torch
+    from safetensors.torch import save_file
+
+    if arch not in SHAPES:
+        raise ValueError(f"unknown shaped architecture {arch!r}; known: {', '.join(SHAPES)}")
+    t0 = time.time()
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    shape = {**SHAPES[arch], **overrides}
+    common = dict(rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=4, tie_word_embeddings=False)
+    if arch.startswith("llama"):
+        from transformers import LlamaConfig
+
+        cfg = LlamaConfig(**shape, **common)
+        cfg.architectures = ["LlamaForCausalLM"]
+    else:
+        from transformers import DeepseekV2Config
+
+        cfg = DeepseekV2Config(**shape, **common)
+        cfg.architectures = ["DeepseekV2ForCausalLM"]
+    cfg.dtype = "bfloat16"
+    cfg.save_pretrained(out)
+
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    g = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*s: int) -> torch.Tensor:
+        return (torch.randn(*s, generator=g, device=dev, dtype=torch.float32) * 0.02
+                ).to(torch.bfloat16).cpu()
+
+    def ones(n: int) -> torch.Tensor:
+        return torch.ones(n, dtype=torch.bfloat16)
+
+    def mlp(p: str, width: int) -> dict[str, torch.Tensor]:
+        h = cfg.hidden_size
+        return {f"{p}gate_proj.weight": rnd(width, h), f"{p}up_proj.weight": rnd(width, h),
+                f"{p}down_proj.weight": rnd(h, width)}
+
+    def layer(i: int) -> dict[str, torch.Tensor]:
+        p, h = f"model.layers.{i}.", cfg.hidden_size
+        sd = {p + "input_layernorm.weight": ones(h),
+              p + "post_attention_layernorm.weight": ones(h)}
+        a = p + "self_attn."
+        if arch.startswith("llama"):
+            hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            sd |= {a + "q_proj.weight": rnd(nh * hd, h), a + "k_proj.weight": rnd(nkv * hd, h),
+                   a + "v_proj.weight": rnd(nkv * hd, h), a + "o_proj.weight": rnd(h, nh * hd)}
+            return sd | mlp(p + "mlp.", cfg.intermediate_size)
+        nh, r = cfg.num_attention_heads, cfg.kv_lora_rank
+        qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+        sd |= {a + "q_proj.weight": rnd(nh * qk, h),
+               a + "kv_a_proj_with_mqa.weight": rnd(r + cfg.qk_rope_head_dim, h),
+               a + "kv_a_layernorm.weight": ones(r),
+               a + "kv_b_proj.weight": rnd(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
+               a + "o_proj.weight": rnd(h, nh * cfg.v_head_dim)}
+        if i < cfg.first_k_dense_replace:
+            return sd | mlp(p + "mlp.", cfg.intermediate_size)
+        sd[p + "mlp.gate.weight"] = rnd(cfg.n_routed_experts, h)
+        for e in range(cfg.n_routed_experts):
+            sd |= mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+        return sd | mlp(p + "mlp.shared_experts.",
+                        cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    weight_map: dict[str, str] = {}
+    total = 0
+    parts = [lambda: {"model.embed_tokens.weight": rnd(cfg.vocab_size, cfg.hidden_size),
+                      "model.norm.weight": ones(cfg.hidden_size),
+                      "lm_head.weight": rnd(cfg.vocab_size, cfg.hidden_size)}]
+    parts += [lambda i=i: layer(i) for i in range(cfg.num_hidden_layers)]
+    for n, make in enumerate(parts):
+        sd = make()
+        fname = f"model-{n + 1:05d}-of-{len(parts):05d}.safetensors"
+        save_file(sd, str(out / fname), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(sd, fname)
+        total += sum(t.numel() for t in sd.values())
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": 2 * total}, "weight_map": weight_map}, indent=1))
+    if tokenizer is not None:
+        for f in Path(tokenizer).iterdir():
+            if f.is_file() and not f.name.startswith(("config", "model")):
+                shutil.copy(f, out / f.name)
+    else:
+        _tokenizer(out, cfg.vocab_size)
+    print(f"{arch}: {total / 1e9:.2f}B parameters, bf16, {len(parts)} shards in {out} "
+          f"({time.time() - t0:.1f} s on {dev})", flush=True)
     return out

@@ -3,8 +3,9 @@
 We call vLLM's own `hash_block_tokens` with the engines' hash function and the same
 PYTHONHASHSEED-derived NONE_HASH, so a block the router indexes is the block the engine
 caches (tests/unit/test_hashing.py checks parity with vLLM's request block hasher). Index keys
-are the first 8 bytes of the hash as an int: compact, and the same truncation vLLM's KV
-events use, so precise mode can feed the same index.
+are the low 64 bits of the hash as an int, exactly what vLLM's KV events carry
+(`maybe_convert_block_hash`), so events from the engines and the router's own predictions
+land on the same keys.
 """
 
 from __future__ import annotations
@@ -42,5 +43,11 @@ class BlockHasher:
         return [to_key(h) for h in self.full_hashes(token_ids)]
 
 
-def to_key(block_hash: bytes) -> int:
-    return int.from_bytes(block_hash[:8], "big")
+def to_key(block_hash: bytes | int) -> int:
+    """Index key of a vLLM block hash: its low 64 bits (KV events may already carry the int)."""
+    if isinstance(block_hash, int):
+        return block_hash & _MASK64
+    return int.from_bytes(block_hash[-8:], "big")
+
+
+_MASK64 = (1 << 64) - 1

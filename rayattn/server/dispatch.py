@@ -96,10 +96,34 @@ class Dispatcher:
         if s.pid is not None and info["pid"] != s.pid:
             # Serve replaced the replica: its cache starts empty.
             self._mark_down(s)
+        if info["block_size"] != self.hasher.block_size and not self.live():
+            # The engine is the authority on its block size (vLLM may override the configured
+            # one for a backend): the first engine up sets what the router hashes.
+            log.warning("engine %s reports KV block size %d (configured %d): hashing with %d",
+                        s.name, info["block_size"], self.hasher.block_size, info["block_size"])
+            self._set_block_size(info["block_size"])
+        if info["block_size"] != self.hasher.block_size:
+            # Hashing with another block size would predict hits that never happen: refuse
+            # the replica loudly rather than route on a wrong index.
+            if s.up or s.info.get("block_size") != info["block_size"]:
+                log.error("engine %s uses KV block size %d but the router hashes %d-token "
+                          "blocks (attention.block_size): not routing to it", s.name,
+                          info["block_size"], self.hasher.block_size)
+            self._mark_down(s)
+            s.info = info
+            return
         if not s.up:
             self.index.add_replica(s.name, info["num_gpu_blocks"])
             log.info("engine %s up: %s", s.name, info)
         s.up, s.pid, s.info = True, info["pid"], info
+
+    def _set_block_size(self, block_size: int) -> None:
+        self.hasher = BlockHasher(block_size, self.cfg.engine.prefix_caching_hash_algo,
+                                  self.cfg.engine.hash_seed)
+        for name in self.index.replicas:
+            self.index.remove_replica(name)
+        self.policy = make_policy(self.policy.name, self.index, self.load, block_size,
+                                  self.cfg.router)
 
     def _mark_down(self, s: EngineState) -> None:
         if s.up or s.name in self.index.replicas:

@@ -122,19 +122,22 @@ class Ingress:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             return StreamingResponse(self._sse(kind, rid, int(t0), greq, route, include_usage),
                                      media_type="text/event-stream")
-        return await self._complete(kind, rid, int(t0), greq, route)
+        return await self._complete(kind, rid, int(t0), greq, route,
+                                    bool(body.return_token_ids))
 
     async def _complete(self, kind: str, rid: str, created: int, greq: GenerateRequest,
-                        route: Any) -> Response:
+                        route: Any, return_token_ids: bool = False) -> Response:
         text, last, decision = [], None, None
+        token_ids: list[int] = []
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
                 for attempt in range(1 + self.cfg.router.max_retries):
-                    text, last = [], None
+                    text, last, token_ids = [], None, []
                     try:
                         async for chunk, d in self.dispatcher.generate(greq, route,
                                                                        resend=attempt > 0):
                             text.append(chunk.text)
+                            token_ids.extend(chunk.token_ids)
                             last, decision = chunk, d
                         break
                     except EngineFailure as e:
@@ -157,6 +160,8 @@ class Ingress:
         else:
             choice = {"index": 0, "text": content, "finish_reason": last.finish_reason,
                       "logprobs": None}
+        if return_token_ids:
+            choice.update(prompt_token_ids=greq.prompt_token_ids, token_ids=token_ids)
         return JSONResponse({
             "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": self.model_name, "choices": [choice],
@@ -217,20 +222,33 @@ class Ingress:
             return APIError(400, str(e), param="policy").response()
         return JSONResponse({"policy": policy, "replicas_up": self.dispatcher.live()})
 
-    def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model_name, "object": "model",
-                                            "created": 0, "owned_by": "rayattn"}]}
+    async def models(self) -> Response:
+        await self.dispatcher.start()
+        if not self.dispatcher.live():
+            return self._not_ready().response()
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rayattn",
+             "max_model_len": self._engine_max_len()}]})
+
+    def _not_ready(self) -> APIError:
+        n = len(self.dispatcher.engines)
+        return APIError(503, f"not ready: 0 of {n} engine replicas serve yet (engines load "
+                             "the model at start-up; retry shortly)", retry_after=5)
 
     async def health(self) -> Response:
         await self.dispatcher.start()
         live = self.dispatcher.live()
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
+                "reason": None if live else self._not_ready().message,
                 "replicas": len(self.dispatcher.engines), "policy": self.dispatcher.policy.name,
                 "counts": self.dispatcher.counts,
                 "engines": {n: {"up": s.up, "inflight": self.dispatcher.load.inflight[n],
                                 "unfinished": s.info.get("unfinished"), "pid": s.pid,
                                 "kv_blocks": s.info.get("num_gpu_blocks"),
-                                "backend": s.info.get("backend")}
+                                "backend": s.info.get("backend"),
+                                "block_size": s.info.get("block_size"),
+                                "engine_pids": s.info.get("engine_pids", []),
+                                "devices": s.info.get("devices", [])}
                             for n, s in self.dispatcher.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
@@ -247,4 +265,4 @@ def _ext(last: Any, d: Decision) -> dict:
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason,
             "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
-            "engine_ttft_s": t.get("ttft_s")}
+            "engine_ttft_s": t.get("ttft_s"), "served_by": last.served_by}

@@ -51,6 +51,8 @@ class _Sampling(_Body):
     user: str | None = None
     ignore_eos: bool = False
     """vLLM extension: keep generating past EOS (benchmarks use it to fix output lengths)."""
+    return_token_ids: bool | None = None
+    """vLLM extension: non-streaming choices also carry `prompt_token_ids` and `token_ids`."""
     # Accepted for client compatibility, only at their neutral values.
     logprobs: Literal[False] | None = None
     echo: Literal[False] | None = None

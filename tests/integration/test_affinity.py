@@ -68,10 +68,16 @@ def test_affinity_is_exact_per_request_under_concurrency(server, reset):
 
     rs = asyncio.run(go())
     assert len(rs) == 32
+    pids = {n: e["pid"] for n, e in
+            httpx.get(f"{server}/health", timeout=30).json()["engines"].items()}
     hits = [r.json() for r in rs if r.json()["rayattn"]["route_reason"] == "affinity_hit"]
     assert len(hits) >= 16
     for body in hits:
         ext = body["rayattn"]
-        # served where routed (header = decision), and the engine found the predicted prefix
+        # Served where routed: the engine process that answered (its own report, not the
+        # router's) is the replica the router chose...
+        assert ext["served_by"]["engine"] == ext["replica"]
+        assert ext["served_by"]["pid"] == pids[ext["replica"]]
+        # ...and it really held the predicted prefix.
         assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= \
             ext["predicted_cached_tokens"] - BLOCK > 0

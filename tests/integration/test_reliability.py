@@ -136,6 +136,8 @@ def test_replica_killed_under_load_loses_nothing(server):
     before = health(server)
     victim = "engine-1"
     pid = before["engines"][victim]["pid"]
+    engine_pids = before["engines"][victim]["engine_pids"]
+    assert engine_pids  # vLLM's engine core runs as the replica's child process
     counts0 = dict(before["counts"])
     n, results, killed = 120, [], {}
 
@@ -166,6 +168,9 @@ def test_replica_killed_under_load_loses_nothing(server):
     assert counts["retried"] > 0
     served = {r.headers["x-rayattn-replica"] for r in ok}
     assert "engine-0" in served
+    # The killed replica's engine processes do not outlive it (30 s from the kill).
+    left = _alive(engine_pids, until=killed["at"] + 30)
+    assert not left, f"engine processes of the killed replica still running: {left}"
 
     # Serve restarts the replica; the router takes it back (new PID) and routes to it again.
     deadline = time.time() + 240
@@ -184,6 +189,23 @@ def test_replica_killed_under_load_loses_nothing(server):
         assert r.status_code == 200
         later.add(r.headers["x-rayattn-replica"])
     assert victim in later
+
+
+def _alive(pids: list[int], until: float) -> list[int]:
+    """Which of `pids` still run (zombies count as gone) once `until` passes, or earlier
+    when all are gone."""
+    import psutil
+
+    def running(p: int) -> bool:
+        try:
+            return psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    while True:
+        left = [p for p in pids if running(p)]
+        if not left or time.time() >= until:
+            return left
+        time.sleep(0.5)
 
 
 def test_streaming_request_on_dying_replica_ends_with_error_event(server):

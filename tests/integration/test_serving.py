@@ -19,8 +19,23 @@ def test_chat_completion_paris(client):
         temperature=0, max_tokens=20)
     assert "Paris" in r.choices[0].message.content
     assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
-    assert r.usage.prompt_tokens_details.cached_tokens == 0 or \
-        r.usage.prompt_tokens_details.cached_tokens < r.usage.prompt_tokens
+
+
+def test_cached_tokens_are_exact(client):
+    """A never-seen prompt reports 0 cached tokens; the same prompt again reports every full
+    block but the last token's (vLLM always computes at least one token)."""
+    import uuid
+
+    block = 32
+    msgs = [{"role": "user", "content": f"{uuid.uuid4().hex} " + "tell me a story " * 20}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                           temperature=0)
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=2,
+                                            temperature=0)
+    p = first.usage.prompt_tokens
+    assert p > 3 * block
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert second.usage.prompt_tokens_details.cached_tokens == (p - 1) // block * block
 
 
 def test_completions_endpoint(client):
@@ -136,6 +151,7 @@ def test_models_and_health(server):
     assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
     h = httpx.get(f"{server}/health").json()
     assert h["status"] == "ok" and sorted(h["replicas_up"]) == ["engine-0", "engine-1"]
+    assert h["reason"] is None
 
 
 def test_disconnect_mid_stream_aborts_engine_request(server):
@@ -173,7 +189,12 @@ def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
         if r.status_code != 404:  # the route exists once the app is up
             break
         time.sleep(1)
+    models = httpx.get(f"{server}/empty/v1/models", timeout=30)
+    health = httpx.get(f"{server}/empty/health", timeout=30)
     serve.delete("empty")
     assert r.status_code == 503, r.text
     assert int(r.headers["retry-after"]) > 0
     assert "no engine replica" in r.json()["error"]["message"]
+    # Not ready is said everywhere a client or a readiness probe looks.
+    assert models.status_code == 503 and "not ready" in models.json()["error"]["message"]
+    assert health.status_code == 503 and "not ready" in health.json()["reason"]

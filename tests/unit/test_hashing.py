@@ -30,7 +30,14 @@ def test_parity_with_vllm_request_block_hasher(block_size, algo, monkeypatch):
                   block_hasher=get_request_block_hasher(block_size, hash_fn))
     assert len(mine) == 5 == len(req.block_hashes)
     assert mine == list(req.block_hashes)
-    assert ours.keys(tokens) == [to_key(h) for h in req.block_hashes]
+    # Index keys are what vLLM's KV events carry for these blocks.
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
+    monkeypatch.setenv("VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES", "1")
+    event_keys = [maybe_convert_block_hash(h) for h in req.block_hashes]
+    assert all(isinstance(k, int) for k in event_keys)
+    assert ours.keys(tokens) == event_keys
+    assert [to_key(k) for k in event_keys] == event_keys
 
 
 def test_chaining_makes_keys_prefix_dependent():

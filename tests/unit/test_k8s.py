@@ -4,6 +4,7 @@ sync with the generator, and carrying a Serve config that passes `rayattn check`
 from __future__ import annotations
 
 import copy
+import os
 from pathlib import Path
 
 import jsonschema
@@ -16,7 +17,12 @@ from rayattn.config.plan import build_plan
 from rayattn.k8s.render import render_all
 
 ROOT = Path(__file__).resolve().parents[2]
-SHARED = ROOT.parent / "shared" / "reference" / "kuberay"
+# KubeRay's CRDs are not part of this repository: CI points at its copy (.ci/run).
+_CRDS = os.environ.get("RAYATTN_KUBERAY_CRDS")
+SHARED = Path(_CRDS) if _CRDS else None
+needs_crds = pytest.mark.skipif(
+    SHARED is None or not SHARED.is_dir(),
+    reason="RAYATTN_KUBERAY_CRDS (a directory of KubeRay CRD YAMLs) is not set")
 K8S_VERSION = "1.33.0"
 
 
@@ -36,6 +42,7 @@ def test_checked_in_files_equal_generator_output():
         assert (ROOT / "k8s" / fname).read_text() == text, f"k8s/{fname} drifted; regenerate"
 
 
+@needs_crds
 @pytest.mark.parametrize("name", ["deepseek", "qwen3", "llama"])
 def test_rayservice_valid_against_kuberay_crds(rendered, name):
     svc = rendered[f"{name}.yaml"][0]
@@ -53,6 +60,7 @@ def test_rayservice_valid_against_kuberay_crds(rendered, name):
         kubernetes_validate.validate(pod, K8S_VERSION, strict=True)
 
 
+@needs_crds
 def test_schema_validation_catches_a_broken_manifest(rendered):
     bad = copy.deepcopy(rendered["llama.yaml"][0])
     bad["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["replicas"] = "two"
@@ -93,7 +101,11 @@ def test_monitoring_dashboard_and_rules(rendered):
     monitors = rendered["monitoring.yaml"]
     assert {m["spec"]["selector"]["matchLabels"]["ray.io/node-type"] for m in monitors} == {
         "head", "worker"}
-    reference = list(yaml.safe_load_all((SHARED / "podMonitor.yaml").read_text()))
-    assert {m["kind"] for m in monitors} == {r["kind"] for r in reference}
     rule = rendered["prometheus-rules.yaml"][0]
     assert rule["kind"] == "PrometheusRule" and rule["spec"]["groups"][0]["rules"]
+
+
+@needs_crds
+def test_pod_monitors_match_kuberay_reference(rendered):
+    reference = list(yaml.safe_load_all((SHARED / "podMonitor.yaml").read_text()))
+    assert {m["kind"] for m in rendered["monitoring.yaml"]} == {r["kind"] for r in reference}

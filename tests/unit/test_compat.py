@@ -1,0 +1,111 @@
+"""rayattn.compat: the vLLM-version differences, against the installed vLLM."""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+from rayattn import compat
+
+
+def test_version_range_and_parsing():
+    assert compat.version_tuple("0.25.0") == (0, 25)
+    assert compat.version_tuple("0.32.0+cpu") == (0, 32)
+    assert compat.version_tuple("0.26.0rc1") == (0, 26)
+    assert compat.is_supported("0.25.0") and compat.is_supported("0.32.1")
+    assert not compat.is_supported("0.24.3") and not compat.is_supported("0.33.0")
+    assert compat.vllm_version() is not None
+
+
+def test_iteration_details_probe_matches_scheduler_stats():
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    names = {f.name for f in dataclasses.fields(SchedulerStats)}
+    assert compat.has_iteration_details() == ("iteration_details" in names)
+
+
+def test_step_metrics_kwargs(monkeypatch, caplog):
+    m = types.SimpleNamespace(step_metrics_available=None)
+    monkeypatch.setattr(compat, "has_iteration_details", lambda: True)
+    assert compat.step_metrics_kwargs(m) == {"enable_logging_iteration_details": True}
+    assert m.step_metrics_available is True
+    # vLLM 0.25: no flag (it would log a line per step), gauge 0, one warning only.
+    monkeypatch.setattr(compat, "has_iteration_details", lambda: False)
+    monkeypatch.setattr(compat, "_step_warning_logged", False)
+    with caplog.at_level("WARNING", logger="rayattn.compat"):
+        assert compat.step_metrics_kwargs(m) == {}
+        assert compat.step_metrics_kwargs(m) == {}
+    assert m.step_metrics_available is False
+    assert sum("per-step" in r.message for r in caplog.records) == 1
+
+
+def test_flashinfer_sampler_env(monkeypatch):
+    monkeypatch.setattr(compat, "flashinfer_available", lambda: False)
+    assert compat.engine_env_defaults("cuda") == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    assert compat.engine_env_defaults("cpu") == {}
+    env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    assert compat.apply_engine_env(env, "cuda") == {}  # the user's setting wins
+    env = {}
+    assert compat.apply_engine_env(env, "rocm") == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    monkeypatch.setattr(compat, "flashinfer_available", lambda: True)
+    assert compat.engine_env_defaults("cuda") == {}
+
+
+def test_device_report_kwargs():
+    assert compat.device_report_kwargs("cpu", {}) == {}
+    kw = compat.device_report_kwargs("cuda", {})
+    assert kw == {"worker_extension_cls": "rayattn.compat.DeviceReportExtension"}
+    assert compat.device_report_kwargs("rocm", {"worker_extension_cls": "my.Ext"}) == {}
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    assert "worker_extension_cls" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def test_extension_does_not_clash_with_vllm_workers():
+    # vLLM refuses an extension whose attributes the worker class already has.
+    from vllm.v1.worker.worker_base import WorkerBase
+
+    for attr in dir(compat.DeviceReportExtension):
+        if not attr.startswith("__"):
+            assert not hasattr(WorkerBase, attr), attr
+    info = compat.DeviceReportExtension().rayattn_device_info()
+    assert info["uuid"] is None and info["placement_group"] is None
+
+
+class _Engine:
+    def __init__(self, workers=None, fail=False):
+        self.workers, self.fail, self.calls = workers, fail, 0
+
+    async def collective_rpc(self, method):
+        self.calls += 1
+        assert method == "rayattn_device_info"
+        if self.fail:
+            raise RuntimeError("no such method")
+        return self.workers
+
+
+def _replica(platform, engine):
+    cfg = types.SimpleNamespace(platform=types.SimpleNamespace(kind=platform))
+    return types.SimpleNamespace(cfg=cfg, engine=engine)
+
+
+@pytest.mark.asyncio
+async def test_engine_device_info_reports_worker_uuids_once():
+    eng = _Engine([{"uuid": "GPU-a", "placement_group": "pg1"},
+                   {"uuid": "GPU-b", "placement_group": "pg1"}])
+    rep = _replica("cuda", eng)
+    out = await compat.engine_device_info(rep)
+    assert out["devices"] == ["GPU-a", "GPU-b"]
+    assert out["worker_placement_groups"] == ["pg1", "pg1"]
+    assert await compat.engine_device_info(rep) is out and eng.calls == 1
+
+
+@pytest.mark.asyncio
+async def test_engine_device_info_on_cpu_and_on_failure():
+    eng = _Engine(fail=True)
+    assert (await compat.engine_device_info(_replica("cpu", eng)))["devices"] == []
+    assert eng.calls == 0
+    out = await compat.engine_device_info(_replica("cuda", eng))
+    assert isinstance(out["devices"], list) and eng.calls == 1
