@@ -70,7 +70,8 @@ def main() -> None:
         hasher.keys(toks)
     hash_ms = (time.perf_counter() - t) / 200 * 1e3
     res = {"replicas": a.replicas, "documents": len(chains),
-           "distinct_blocks": sum(map(len, chains)), "index_entries": total, "index_build_s": round(build_s, 2),
+           "distinct_blocks": sum(map(len, chains)), "index_entries": total,
+           "index_build_s": round(build_s, 2),
            "decision_ms": {"p50": pct(0.5), "p90": pct(0.9), "p99": pct(0.99),
                            "max": lat[-1] / 1e6},
            "hash_ms_per_prompt": {"tokens": len(toks), "ms": round(hash_ms, 3)}}
