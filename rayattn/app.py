@@ -61,6 +61,10 @@ class Engine(EngineReplica):
     pass
 
 
+# Serve slots per engine kept free of generation for the routers' control calls.
+CONTROL_HEADROOM = 64
+
+
 def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
     cfg = plan.config
     bundle0 = plan.bundles[0]
@@ -72,10 +76,15 @@ def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
     runtime_env = dict(actor.pop("runtime_env", {}) or {})
     runtime_env["env_vars"] = {**plan.env, **runtime_env.get("env_vars", {})}
     actor["runtime_env"] = runtime_env
+    routers = (cfg.serve.ingress_autoscaling or {}).get("max_replicas",
+                                                         cfg.serve.ingress_replicas)
     return dict(
         name=f"engine-{rank}",
         num_replicas=1,
-        max_ongoing_requests=cfg.serve.max_ongoing_requests,
+        # Each router caps its own generation calls at serve.max_ongoing_requests per engine
+        # (rayattn/server/dispatch.py); Serve's cap sits above what all routers together can
+        # send, so probes and snapshots never queue behind generation.
+        max_ongoing_requests=cfg.serve.max_ongoing_requests * routers + CONTROL_HEADROOM,
         placement_group_bundles=plan.bundles,
         placement_group_strategy=plan.strategy,
         ray_actor_options=actor,

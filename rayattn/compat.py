@@ -286,3 +286,18 @@ def _current_placement_group() -> str | None:
         return pg.id.hex() if pg is not None else None
     except Exception:
         return None
+
+
+@functools.cache
+def client_error_types() -> tuple[type[BaseException], ...]:
+    """Exceptions vLLM raises about a request itself (the client's 4xx, never retried).
+    vLLM 0.32 has its own VLLMClientError tree (not a ValueError); older releases raise
+    ValueError / TypeError from request validation."""
+    types: list[type[BaseException]] = [ValueError, TypeError, OverflowError]
+    try:
+        from vllm.exceptions import VLLMClientError
+
+        types.append(VLLMClientError)
+    except ImportError:
+        pass
+    return tuple(types)

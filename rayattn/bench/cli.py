@@ -131,19 +131,22 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                         a.itl_per_seq_s, a.capacity_blocks, a.block_size)
     rows = []
     for pol in a.policies.split(","):
-        for routers in [int(x) for x in a.routers.split(",")]:
-            r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed)
-            d = asdict(r)
-            d.pop("per_replica")
-            rows.append(d)
-            print(f"{pol:13s} routers={routers} hit={r.hit_rate:.3f} oracle="
+        for index in a.index.split(","):
+            for routers in [int(x) for x in a.routers.split(",")]:
+                r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
+                             index=index)
+                d = asdict(r)
+                d.pop("per_replica")
+                d["index"] = index
+                rows.append(d)
+                print(f"{pol:13s} index={index:9s} routers={routers} hit={r.hit_rate:.3f} oracle="
                   f"{r.oracle_hit_rate:.3f} ttft p50={r.ttft_p50_s:.3f} p90={r.ttft_p90_s:.3f} "
-                  f"p99={r.ttft_p99_s:.3f} imbalance={r.load_imbalance:.2f} "
-                  f"({r.wall_s:.1f}s)", flush=True)
+                      f"p99={r.ttft_p99_s:.3f} imbalance={r.load_imbalance:.2f} "
+                      f"({r.wall_s:.1f}s)", flush=True)
     name = f"sim_{a.workload}_{a.replicas}r"
     (out / f"{name}.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2,
                                                  default=str))
-    table = {a.workload: {f"{r['policy']} ×{r['routers']}": r for r in rows}}
+    table = {a.workload: {f"{r['policy']} {r['index']} ×{r['routers']}": r for r in rows}}
     md = markdown(table, ["hit_rate", "oracle_hit_rate", "ttft_p50_s", "ttft_p90_s",
                           "ttft_p99_s", "load_imbalance", "max_replica_share"])
     (out / f"{name}.md").write_text(md)
@@ -182,6 +185,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    default="shared_prefix")
     s.add_argument("--policies", default=",".join(POLICIES))
     s.add_argument("--routers", default="1", help="ingress replicas, e.g. 1,4")
+    s.add_argument("--index", default="events,predicted",
+                   help="router index modes to compare: events, predicted")
     s.add_argument("--groups", type=int, default=512)
     s.add_argument("--turns", type=int, default=4)
     s.add_argument("--system-tokens", type=int, default=1024)

@@ -31,6 +31,8 @@ class Result:
     start_s: float
     prompt_ids: list[int] | None = None
     output_text: str = ""
+    predicted_cached_tokens: int = -1
+    """What the router predicted (-1: not a rayattn endpoint)."""
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -61,14 +63,17 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   details.get("cached_tokens", 0), usage.get("completion_tokens", 0),
                   ttft if ttft is not None else end - t0, end - t0, ext.get("replica", ""),
                   ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
-                  output_text="".join(text))
+                  output_text="".join(text),
+                  predicted_cached_tokens=ext.get("predicted_cached_tokens", -1))
 
 
-async def run_workload(url: str, model: str, workload: Workload, concurrency: int = 8,
-                       timeout: float = 300, rate: float | None = None, seed: int = 0,
-                       progress: bool = False) -> tuple[list[Result], float]:
+async def run_workload(url: str | list[str], model: str, workload: Workload,
+                       concurrency: int = 8, timeout: float = 300, rate: float | None = None,
+                       seed: int = 0, progress: bool = False) -> tuple[list[Result], float]:
     """Closed loop: conversations run concurrently (up to `concurrency`), turns of one in
-    order. Open loop (`rate` req/s): conversations start as a Poisson process instead."""
+    order. Open loop (`rate` req/s): conversations start as a Poisson process instead.
+    Several URLs (independent routers): turn t of every conversation goes to url[t % n]."""
+    urls = [url] if isinstance(url, str) else list(url)
     sem = asyncio.Semaphore(concurrency if rate is None else 10**6)
     results: list[Result] = []
     t_origin = time.monotonic()
@@ -85,7 +90,8 @@ async def run_workload(url: str, model: str, workload: Workload, concurrency: in
             messages = [{"role": "system", "content": c.system}]
             for t, user in enumerate(c.turns):
                 messages.append({"role": "user", "content": user})
-                res = await _one(client, url, model, list(messages), c, t, t_origin)
+                res = await _one(client, urls[t % len(urls)], model, list(messages), c, t,
+                                 t_origin)
                 res.prompt_ids = None
                 results.append(res)
                 if progress:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import RouteRequest, make_policy
-from rayattn.routing.prefix_index import PrefixIndex
+from rayattn.routing.prefix_index import EventIndex, PrefixIndex
 
 
 @dataclass
@@ -69,20 +69,37 @@ class SimResult:
 
 def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineModel,
              routers: int = 1, router_cfg: RouterConfig | None = None,
-             seed: int = 0) -> SimResult:
+             seed: int = 0, index: str = "predicted") -> SimResult:
+    """`index`: `predicted` (each router's own LRU guess and its own dispatch counts) or
+    `events` (each router follows the engines' real caches and load counts, as with vLLM's KV
+    events; events are delivered instantly here)."""
     t_wall = time.perf_counter()
     names = [f"engine-{i}" for i in range(replicas)]
-    cache = PrefixIndex()  # ground truth: what each engine really holds
+    views: list[EventIndex] = []
+
+    def evicted(rep: str, key: int) -> None:
+        for v in views:
+            v.removed(rep, [key])
+
+    cache = PrefixIndex(on_evict=evicted)  # ground truth: what each engine really holds
     for n in names:
         cache.add_replica(n, model.capacity_blocks)
     # Independent ingress replicas: own index, own view of the load they dispatched.
     fleet = []
     for r in range(routers):
-        idx, load = PrefixIndex(), LoadTracker()
+        load = LoadTracker()
+        idx: PrefixIndex = EventIndex() if index == "events" else PrefixIndex()
+        if isinstance(idx, EventIndex):
+            views.append(idx)
         for n in names:
             idx.add_replica(n, model.capacity_blocks)
         fleet.append((make_policy(policy, idx, load, model.block_size, router_cfg,
                                   seed=seed + r), load))
+
+    def store(rep: str, keys: list[int]) -> None:
+        cache.insert(rep, keys)
+        for v in views:
+            v.stored(rep, keys)
     ctx_free_at = dict.fromkeys(names, 0.0)
     running = dict.fromkeys(names, 0)
     # (time, seq, kind, replica, request index, uncached tokens, router); kind 0 = first
@@ -112,7 +129,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                 continue
             running[rep] -= 1
             req = trace[ri]
-            cache.insert(rep, req.output_keys)
+            store(rep, req.output_keys)
             load.release(rep, 0)
             pol.on_complete(rep, req.output_keys)
 
@@ -121,6 +138,9 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         advance(req.arrival)
         rt = i % routers
         pol, load = fleet[rt]
+        if views:  # engine-reported load, shared by every router
+            for n in names:
+                load.reported(n, running[n])
         route = RouteRequest(req.keys, req.prompt_tokens, req.keys[0] if req.keys else i,
                              req.session, req.text)
         d = pol.choose(route, names)
@@ -143,7 +163,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         predicted_uncached = req.prompt_tokens - d.predicted_cached_tokens
         load.acquire(rep, predicted_uncached)
         pol.on_dispatch(rep, route)
-        cache.insert(rep, req.keys)  # prompt blocks are cached once prefilled
+        store(rep, req.keys)  # prompt blocks are cached once prefilled
         start = max(req.arrival, ctx_free_at[rep])
         ctx_time = uncached * model.prefill_s_per_token + cached * model.ctx_s_per_token
         first_token = start + ctx_time

@@ -143,6 +143,9 @@ class EngineConfig(_Strict):
     """Block hash function; the router uses the same one to predict cache hits."""
     enforce_eager: bool = False
     """Skip CUDA/HIP graph capture (and torch.compile). On CPU it cuts start-up with no loss."""
+    kv_events: bool = True
+    """Publish vLLM's KV cache events (ZMQ, a port per engine on its node). Routers with
+    `router.index: events` follow every engine's real cache from them."""
     hash_seed: str = "0"
     """PYTHONHASHSEED of every engine and router process: block hashes (and KV events) only
     agree across processes when it is the same."""
@@ -166,6 +169,16 @@ class PlatformConfig(_Strict):
 
 
 class RouterConfig(_Strict):
+    index: Literal["events", "predicted"] = "events"
+    """Where the router's picture of each engine's cache comes from. `events`: the engines'
+    own KV events (BlockStored / BlockRemoved / AllBlocksCleared), shared truth for every
+    router replica, with the router's routing decisions kept only as a short-lived
+    speculative overlay until the engine's event arrives. `predicted`: the router's own
+    decisions, an LRU bounded by each engine's KV capacity (a guess, private to each
+    router replica); for engines that cannot publish events."""
+    speculative_ttl_s: float = Field(30.0, gt=0)
+    """`events` index: how long a block the router sent somewhere counts as cached there
+    without the engine's event confirming it (covers queueing before prefill)."""
     policy: RouterPolicy = "affinity"
     """How the ingress picks an engine replica: `affinity` (predicted-TTFT cost over a token
     block index), `round_robin`, `power_of_two` (least in-flight of two random), `ray_prefix`
@@ -200,7 +213,9 @@ class RouterConfig(_Strict):
 
 class ServeSettings(_Strict):
     max_ongoing_requests: PositiveInt = 64
-    """Requests one engine replica accepts at once; more wait in the router."""
+    """Generation requests one router replica sends one engine replica at once; more wait in
+    the router. (The engine's Serve limit is set above this so health probes and cache
+    snapshots never queue behind generation.)"""
     ingress_replicas: PositiveInt = 1
     """Router (ingress) replicas. Several independent routers agree on affinity via
     rendezvous tie-breaking on the prefix hash (see docs)."""
@@ -231,6 +246,14 @@ class RayAttnConfig(_Strict):
     """The ingress router: policy, thresholds, limits."""
     serve: ServeSettings = Field(default_factory=ServeSettings)
     """Ray Serve deployment settings."""
+
+    @model_validator(mode="after")
+    def _events_need_publishers(self) -> RayAttnConfig:
+        if self.router.index == "events" and not (self.engine.kv_events
+                                                  and self.engine.enable_prefix_caching):
+            raise ValueError("router.index: 'events' needs engine.kv_events and "
+                             "engine.enable_prefix_caching; use router.index 'predicted'")
+        return self
 
     @model_validator(mode="after")
     def _cpu_needs_kv_bytes(self) -> RayAttnConfig:

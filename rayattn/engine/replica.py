@@ -53,6 +53,21 @@ class EngineReplica:
             kwargs.update(compat.step_metrics_kwargs(self.metrics))
             loggers.append(make_step_logger_factory(self.metrics))
         kwargs.update(compat.device_report_kwargs(cfg.platform.kind, kwargs))
+        self.kv_mirror = None
+        kv_endpoint = None
+        if cfg.engine.kv_events and cfg.engine.enable_prefix_caching:
+            # Routers follow this engine's cache from its own events; the mirror (subscribed
+            # before the engine publishes anything) is what they resync from.
+            from vllm.config import KVEventsConfig
+
+            from rayattn.engine.kv_mirror import KVMirror, free_tcp_port, node_ip
+
+            pub, replay = free_tcp_port(), free_tcp_port()
+            kwargs["kv_events_config"] = KVEventsConfig(
+                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
+                replay_endpoint=f"tcp://*:{replay}", topic="kv")
+            self.kv_mirror = KVMirror(pub, replay)
+            kv_endpoint = f"tcp://{node_ip()}:{pub}"
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
@@ -65,6 +80,7 @@ class EngineReplica:
             "num_gpu_blocks": int(cache.num_gpu_blocks or 0),
             "max_model_len": self.engine.vllm_config.model_config.max_model_len,
             "startup_s": round(time.monotonic() - t0, 2),
+            "kv_events": kv_endpoint,
         }
         self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                               exclude={self._reaper.pid}))
@@ -86,6 +102,8 @@ class EngineReplica:
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
         # shutdown): stop the engine core now rather than leaving it to the watcher.
+        if getattr(self, "kv_mirror", None) is not None:
+            self.kv_mirror.close()
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:
@@ -97,6 +115,13 @@ class EngineReplica:
         # Serve calls this periodically; raising makes Serve replace the replica. A live
         # actor with a dead engine core must count as unhealthy.
         await self.engine.check_health()
+
+    async def kv_snapshot(self) -> Any:
+        """The blocks this engine caches now and the event sequence number that reflects
+        (routers resync their view of this engine from it)."""
+        from rayattn.routing.kv_events import Snapshot
+
+        return self.kv_mirror.snapshot() if self.kv_mirror is not None else Snapshot(-1, [])
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (benchmarks compare policies from the same cold start)."""

@@ -19,6 +19,7 @@ import math
 import random
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.prefix_index import PrefixIndex
@@ -91,6 +92,12 @@ class Policy:
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
         raise NotImplementedError
 
+    def cached_tokens(self, req: RouteRequest, matched_blocks: int) -> int:
+        """What the engine will serve from cache given `matched_blocks` leading blocks: whole
+        blocks only, and never the prompt's last token (vLLM always computes one)."""
+        return min(matched_blocks, max(req.prompt_tokens - 1, 0) // self.block_size) \
+            * self.block_size
+
     def on_dispatch(self, replica: str, req: RouteRequest) -> None:
         """Called once the request is sent; affinity inserts speculatively so followers that
         arrive before this one finishes already find the prefix."""
@@ -100,6 +107,10 @@ class Policy:
 
     def forget_replica(self, replica: str) -> None:
         pass
+
+    def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
+                running: int) -> None:
+        """Engine timings of a finished request (policies with a cost model learn here)."""
 
 
 class RoundRobin(Policy):
@@ -115,7 +126,7 @@ class RoundRobin(Policy):
         return Decision(r, "round_robin", self._predicted(req, r))
 
     def _predicted(self, req: RouteRequest, r: str) -> int:
-        return self.index.match(req.keys).get(r, 0) * self.block_size
+        return self.cached_tokens(req, self.index.match(req.keys).get(r, 0))
 
 
 class PowerOfTwo(RoundRobin):
@@ -152,8 +163,7 @@ class Affinity(Policy):
         c = self.cost
         costs: dict[str, float] = {}
         for r in allowed:
-            cached = min(matches.get(r, 0) * self.block_size, req.prompt_tokens - 1)
-            cached = max(cached, 0)
+            cached = self.cached_tokens(req, matches.get(r, 0))
             wait = (self.load.pending_prefill[r] * c.prefill_s_per_token
                     + self.load.inflight[r] * c.decode_s_per_request)
             costs[r] = (wait + (req.prompt_tokens - cached) * c.prefill_s_per_token
@@ -164,12 +174,13 @@ class Affinity(Policy):
         tol = max(best * 0.05, c.decode_s_per_request * 0.5)
         near = [r for r, v in costs.items() if v <= best + tol]
         owner = self._sessions.get(req.session) if req.session else None
+        best_cached = max(matches, key=lambda r: matches[r]) if matches else None
         if owner in near and len(near) > 1:
             chosen, reason = owner, "session"
         else:
-            chosen = rendezvous_rank(req.affinity_key, near)[0] if len(near) > 1 else near[0]
+            key = self._tie_key(req, matches, best_cached in allowed)
+            chosen = rendezvous_rank(key, near)[0] if len(near) > 1 else near[0]
             reason = "affinity_hit" if matches.get(chosen) else "cold"
-        best_cached = max(matches, key=lambda r: matches[r]) if matches else None
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
         if req.session:
@@ -177,8 +188,21 @@ class Affinity(Policy):
             self._sessions.move_to_end(req.session)
             if len(self._sessions) > self._max_sessions:
                 self._sessions.popitem(last=False)
-        predicted = min(matches.get(chosen, 0) * self.block_size, max(req.prompt_tokens - 1, 0))
-        return Decision(chosen, reason, predicted, costs)
+        return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
+
+    @staticmethod
+    def _tie_key(req: RouteRequest, matches: dict[str, int], owner_allowed: bool) -> int:
+        """Key for rendezvous among near-equal candidates. Normally the prompt's first block
+        that no replica holds: prompts sharing only a short head (chat template, a common
+        system line) spread by where they differ. When the load guard keeps a prefix off
+        its holder, the last shared block instead, so the prefix's overflow goes to one
+        stable second home (the same from every router) rather than everywhere."""
+        depth = max(matches.values(), default=0)
+        if not req.keys:
+            return req.affinity_key
+        if depth and not owner_allowed:
+            return req.keys[depth - 1]
+        return req.keys[min(depth, len(req.keys) - 1)]
 
     def on_dispatch(self, replica: str, req: RouteRequest) -> None:
         self.index.insert(replica, req.keys)
@@ -186,6 +210,13 @@ class Affinity(Policy):
     def forget_replica(self, replica: str) -> None:
         for s in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[s]
+
+    def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
+                running: int) -> None:
+        if timings:
+            self.cost.observe_prefill(computed_tokens, cached_tokens,
+                                      timings.get("prefill_s", 0.0))
+            self.cost.observe_decode(timings.get("itl_s"), running)
 
 
 class RayPrefix(PowerOfTwo):

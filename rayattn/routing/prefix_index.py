@@ -14,7 +14,10 @@ from collections.abc import Sequence
 
 
 class PrefixIndex:
-    def __init__(self) -> None:
+    def __init__(self, on_evict=None) -> None:
+        self._on_evict = on_evict
+        """Called with (replica, key) for every block the LRU bound evicts (the simulator
+        turns these into BlockRemoved events)."""
         self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
@@ -55,12 +58,12 @@ class PrefixIndex:
         result: dict[str, int] = {}
         if not keys:
             return result
-        alive = self._owners.get(keys[0])
+        alive = self._owners_of(keys[0])
         if not alive:
             return result
         alive = set(alive)
         for i in range(1, len(keys)):
-            owners = self._owners.get(keys[i])
+            owners = self._owners_of(keys[i])
             nxt = alive & owners if owners else set()
             for r in alive - nxt:
                 result[r] = i
@@ -70,6 +73,9 @@ class PrefixIndex:
         for r in alive:
             result[r] = len(keys)
         return result
+
+    def _owners_of(self, key: int) -> set[str] | None:
+        return self._owners.get(key)
 
     # --- updates -------------------------------------------------------------------
     def insert(self, replica: str, keys: Sequence[int]) -> None:
@@ -99,6 +105,8 @@ class PrefixIndex:
         while len(lru) > cap:
             key, _ = lru.popitem(last=False)
             self._drop_owner(key, replica)
+            if self._on_evict is not None:
+                self._on_evict(replica, key)
 
     def _drop_owner(self, key: int, replica: str) -> None:
         owners = self._owners.get(key)
@@ -106,3 +114,85 @@ class PrefixIndex:
             owners.discard(replica)
             if not owners:
                 del self._owners[key]
+
+
+class EventIndex(PrefixIndex):
+    """The engines' real caches, from their KV events, plus a speculative overlay.
+
+    Truth changes only through `stored` / `removed` / `cleared` / `reset` (the event feed);
+    the engine evicts, so there is no capacity bound here. `insert` (the router's own
+    routing decisions) goes to the overlay: a block counts as cached on a replica from the
+    moment a request carrying it is sent there, until the engine's event confirms or
+    removes it, or `ttl_s` passes."""
+
+    def __init__(self, ttl_s: float = 30.0, clock=None) -> None:
+        import time
+
+        super().__init__()
+        self.ttl_s = ttl_s
+        self._clock = clock or time.monotonic
+        self._spec: dict[int, dict[str, float]] = {}
+
+    def add_replica(self, replica: str, capacity_blocks: int = 0) -> None:
+        self._lru.setdefault(replica, OrderedDict())
+        self._capacity[replica] = 1 << 62
+
+    def remove_replica(self, replica: str) -> None:
+        super().remove_replica(replica)
+        for key in [k for k, owners in self._spec.items() if replica in owners]:
+            self._drop_spec(key, replica)
+
+    def _owners_of(self, key: int) -> set[str] | None:
+        spec = self._spec.get(key)
+        truth = self._owners.get(key)
+        if not spec:
+            return truth
+        now = self._clock()
+        live = {r for r, exp in spec.items() if exp > now}
+        if len(live) < len(spec):
+            for r in [r for r, exp in spec.items() if exp <= now]:
+                self._drop_spec(key, r)
+        return (truth | live) if truth else live
+
+    def insert(self, replica: str, keys: Sequence[int]) -> None:
+        if replica not in self._lru:
+            return
+        exp = self._clock() + self.ttl_s
+        for key in keys:
+            owners = self._owners.get(key)
+            if owners is None or replica not in owners:
+                self._spec.setdefault(key, {})[replica] = exp
+
+    def speculative(self, replica: str) -> int:
+        return sum(1 for owners in self._spec.values() if replica in owners)
+
+    # --- from the engine's events ----------------------------------------------------
+    def stored(self, replica: str, keys: Sequence[int]) -> None:
+        lru = self._lru.get(replica)
+        if lru is None:
+            return
+        for key in keys:
+            lru[key] = None
+            self._owners.setdefault(key, set()).add(replica)
+            self._drop_spec(key, replica)
+
+    def removed(self, replica: str, keys: Sequence[int]) -> None:
+        self.remove_blocks(replica, keys)
+        for key in keys:
+            self._drop_spec(key, replica)
+
+    def cleared(self, replica: str) -> None:
+        self.reset(replica, [])
+
+    def reset(self, replica: str, keys: Sequence[int]) -> None:
+        """Replace what `replica` holds with `keys` (a snapshot from its engine)."""
+        self.remove_replica(replica)
+        self.add_replica(replica)
+        self.stored(replica, keys)
+
+    def _drop_spec(self, key: int, replica: str) -> None:
+        owners = self._spec.get(key)
+        if owners is not None:
+            owners.pop(replica, None)
+            if not owners:
+                del self._spec[key]

@@ -1,4 +1,8 @@
-"""Choosing an engine replica, calling it, and keeping the router's view of the fleet right.
+"""Choosing an engine replica for a request, calling it, and retrying on replica failure.
+
+The pieces around it each do one job: `ReplicaSet` (membership, probes, engine-reported load),
+`CacheView` (the index and its KV-event feeds), `LoadTracker`, the policy, `Admission` and
+`RouterMetrics`. This module wires them and holds the one retry loop.
 
 Why explicit per-rank deployments instead of a custom Ray Serve RequestRouter: the router
 must send *this* request to *that* replica. Serve's RequestRouter hands the chosen replica
@@ -7,6 +11,11 @@ without it concurrent child calls of one ingress request hang; it also needs bac
 handling to avoid a spinning routing loop. One single-replica deployment per DP rank gives
 exact, lock-free choice, stable rank identities for the index and metrics, and Serve still
 restarts a failed rank.
+
+Failure semantics: an error the engine raises about the request itself (vLLM's
+validation: ValueError / TypeError) is the client's: one 400 with vLLM's message, never
+retried. A replica failure (dead actor, dead engine) before any output reached the client is
+retried on another replica, up to `router.max_retries` times, here and nowhere else.
 """
 
 from __future__ import annotations
@@ -15,134 +24,114 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from typing import Any
-
-from ray import exceptions as ray_exc
 
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import Chunk, GenerateRequest
 from rayattn.metrics.router_metrics import RouterMetrics
+from rayattn.routing.cache_view import CacheView
 from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, RouteRequest, make_policy
-from rayattn.routing.prefix_index import PrefixIndex
+from rayattn.routing.replica_set import Replica, ReplicaSet, engine_dead
 from rayattn.server.errors import APIError
 
 log = logging.getLogger("rayattn.router")
 
-# Errors that mean the replica (not the request) is gone.
-_REPLICA_DEAD = (ray_exc.RayActorError, ray_exc.ActorDiedError, ray_exc.ActorUnavailableError)
 
+class Admission:
+    """At most `limit` requests in this router at once, counted from the moment a request
+    is admitted (not when it reaches an engine), so a burst cannot overshoot."""
 
-@dataclass
-class EngineState:
-    name: str
-    handle: Any
-    up: bool = False
-    pid: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    def __init__(self, limit: int) -> None:
+        self.limit, self.inflight, self.peak = limit, 0, 0
+
+    def acquire(self) -> None:
+        if self.inflight >= self.limit:
+            raise APIError(429, f"router at its admission limit ({self.limit} in flight); "
+                                "retry later", retry_after=1)
+        self.inflight += 1
+        self.peak = max(self.peak, self.inflight)
+
+    def release(self) -> None:
+        self.inflight = max(0, self.inflight - 1)
 
 
 class Dispatcher:
     def __init__(self, cfg: RayAttnConfig, block_size: int, engines: dict[str, Any],
                  policy: str | None = None, metrics: bool = True) -> None:
         self.cfg = cfg
-        self.engines = {n: EngineState(n, h) for n, h in engines.items()}
-        self.index = PrefixIndex()
         self.load = LoadTracker()
+        self.view = CacheView(cfg.router.index, cfg.router.speculative_ttl_s)
         self.hasher = BlockHasher(block_size, cfg.engine.prefix_caching_hash_algo,
                                   cfg.engine.hash_seed)
-        self.policy = make_policy(policy or cfg.router.policy, self.index, self.load,
+        self.policy = make_policy(policy or cfg.router.policy, self.view.index, self.load,
                                   block_size, cfg.router)
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
-        self.inflight = 0
+        self.replicas = ReplicaSet(engines, self._joined, self._left)
+        self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
-        self._refresh_lock = asyncio.Lock()
-        self._task: asyncio.Task | None = None
+        self._metrics_task: asyncio.Task | None = None
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
-        return [n for n, s in self.engines.items() if s.up]
+        return self.replicas.live()
 
     async def start(self) -> None:
-        if self._task is None:
-            await self.refresh()
-            self._task = asyncio.get_running_loop().create_task(self._probe_loop())
+        await self.replicas.start()
+        if self._metrics_task is None:
+            self._metrics_task = asyncio.get_running_loop().create_task(self._report_loop())
 
-    async def _probe_loop(self) -> None:
+    async def _report_loop(self) -> None:
         while True:
-            await asyncio.sleep(2.0)
-            try:
-                await self.refresh()
-            except Exception:  # the probe must outlive any one bad round
-                log.exception("engine probe failed")
-
-    async def refresh(self) -> None:
-        async with self._refresh_lock:
-            await asyncio.gather(*(self._probe(s) for s in self.engines.values()))
+            live = self.live()
+            for name, r in self.replicas.replicas.items():
+                if r.up and "unfinished" in r.info:
+                    self.load.reported(name, r.info["unfinished"])
             if self.metrics is not None:
-                live = self.live()
-                self.metrics.load(dict(self.load.inflight), live, self.load.imbalance(live))
+                self.metrics.load(dict(self.load.inflight.items()), live,
+                                  self.load.imbalance(live))
+            await asyncio.sleep(self.replicas.period_s)
 
-    async def _probe(self, s: EngineState) -> None:
-        try:
-            info = await asyncio.wait_for(s.handle.info.remote(), timeout=10)
-        except Exception as e:
-            if s.up:
-                log.warning("engine %s down: %s", s.name, type(e).__name__)
-            self._mark_down(s)
-            return
-        if s.pid is not None and info["pid"] != s.pid:
-            # Serve replaced the replica: its cache starts empty.
-            self._mark_down(s)
-        if info["block_size"] != self.hasher.block_size and not self.live():
+    def _joined(self, r: Replica) -> bool:
+        bs = r.info["block_size"]
+        if bs != self.hasher.block_size and not self.live():
             # The engine is the authority on its block size (vLLM may override the configured
             # one for a backend): the first engine up sets what the router hashes.
             log.warning("engine %s reports KV block size %d (configured %d): hashing with %d",
-                        s.name, info["block_size"], self.hasher.block_size, info["block_size"])
-            self._set_block_size(info["block_size"])
-        if info["block_size"] != self.hasher.block_size:
-            # Hashing with another block size would predict hits that never happen: refuse
-            # the replica loudly rather than route on a wrong index.
-            if s.up or s.info.get("block_size") != info["block_size"]:
-                log.error("engine %s uses KV block size %d but the router hashes %d-token "
-                          "blocks (attention.block_size): not routing to it", s.name,
-                          info["block_size"], self.hasher.block_size)
-            self._mark_down(s)
-            s.info = info
-            return
-        if not s.up:
-            self.index.add_replica(s.name, info["num_gpu_blocks"])
-            log.info("engine %s up: %s", s.name, info)
-        s.up, s.pid, s.info = True, info["pid"], info
+                        r.name, bs, self.hasher.block_size, bs)
+            self._set_block_size(bs)
+        if bs != self.hasher.block_size:
+            # Hashing with another block size would predict hits that never happen.
+            log.error("engine %s uses KV block size %d but the router hashes %d-token blocks "
+                      "(attention.block_size): not routing to it", r.name, bs,
+                      self.hasher.block_size)
+            return False
+        self.view.join(r.name, r.info, r.handle)
+        self.load.reported(r.name, r.info.get("unfinished", 0))
+        return True
+
+    def _left(self, r: Replica) -> None:
+        self.view.leave(r.name)
+        self.policy.forget_replica(r.name)
+        self.load.forget(r.name)
 
     def _set_block_size(self, block_size: int) -> None:
         self.hasher = BlockHasher(block_size, self.cfg.engine.prefix_caching_hash_algo,
                                   self.cfg.engine.hash_seed)
-        for name in self.index.replicas:
-            self.index.remove_replica(name)
-        self.policy = make_policy(self.policy.name, self.index, self.load, block_size,
+        self.policy = make_policy(self.policy.name, self.view.index, self.load, block_size,
                                   self.cfg.router)
 
-    def _mark_down(self, s: EngineState) -> None:
-        if s.up or s.name in self.index.replicas:
-            self.index.remove_replica(s.name)
-            self.policy.forget_replica(s.name)
-        s.up = False
-
     async def reset(self, policy: str | None = None) -> str:
-        """Cold-start every engine's prefix cache and the router's index; optionally switch
+        """Cold-start every engine's prefix cache and the router's view; optionally switch
         policy. Used by benchmarks to compare policies on the same engines in one run."""
-        await asyncio.gather(*(s.handle.reset_prefix_cache.remote()
-                               for s in self.engines.values() if s.up))
-        for s in self.engines.values():
-            if s.up:
-                self.index.remove_replica(s.name)
-                self.index.add_replica(s.name, s.info["num_gpu_blocks"])
+        live = [self.replicas.replicas[n] for n in self.live()]
+        await asyncio.gather(*(r.handle.reset_prefix_cache.remote() for r in live))
+        for r in live:
+            self.view.join(r.name, r.info, r.handle)
         if policy and policy != self.policy.name:
-            self.policy = make_policy(policy, self.index, self.load, self.hasher.block_size,
-                                      self.cfg.router)
+            self.policy = make_policy(policy, self.view.index, self.load,
+                                      self.hasher.block_size, self.cfg.router)
             if self.metrics is not None:
                 self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
         return self.policy.name
@@ -154,21 +143,16 @@ class Dispatcher:
         head = keys[0] if keys else hash(tuple(token_ids[: self.hasher.block_size]))
         return RouteRequest(keys, len(token_ids), head, session, text, hashes)
 
-    def admit(self) -> None:
-        if self.inflight >= self.cfg.router.max_inflight:
-            self._reject(429)
-            raise APIError(429, f"router at its admission limit "
-                                f"({self.cfg.router.max_inflight} in flight); retry later",
-                           retry_after=1)
-
     def _reject(self, status: int) -> None:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
 
-    def record_retry(self) -> None:
-        self.counts["retried"] += 1
-        if self.metrics is not None:
-            self.metrics.retries.inc(1, self.metrics.base)
+    def admit(self) -> None:
+        try:
+            self.admission.acquire()
+        except APIError:
+            self._reject(429)
+            raise
 
     def record_failure(self, cause: BaseException) -> None:
         self.counts["failed"] += 1
@@ -176,60 +160,78 @@ class Dispatcher:
             self.metrics.failures.inc(1, {**self.metrics.base, "cause": type(cause).__name__})
 
     async def generate(self, req: GenerateRequest, route: RouteRequest,
-                       resend: bool = False) -> AsyncIterator[tuple[Chunk, Decision]]:
-        """Stream chunks from one replica. A replica failing before its first chunk is
-        retried on another (bounded); after output has started EngineFailure propagates and
-        the caller decides (non-streaming callers resend with `resend=True`, streaming ones
-        end the stream with an error) and records the outcome."""
+                       buffered: bool = False) -> AsyncIterator[tuple[Chunk, Decision]]:
+        """Stream chunks from one replica. A replica failure is retried on another replica
+        while nothing has reached the caller: always before the first chunk, and at any
+        point when `buffered` (chunks are held until the attempt completes, as a
+        non-streaming response needs anyway). Otherwise EngineFailure propagates."""
         tried: set[str] = set()
-        attempts = 1 + self.cfg.router.max_retries
-        self.inflight += 1
-        if not resend:
-            self.counts["sent"] += 1
+        self.counts["sent"] += 1
         t0 = time.monotonic()
         try:
-            for attempt in range(attempts):
-                candidates = [r for r in self.live() if r not in tried] or self.live()
-                if not candidates:
-                    self._reject(503)
-                    raise APIError(503, "no engine replica is ready", retry_after=5)
+            for attempt in range(1 + self.cfg.router.max_retries):
+                candidates = await self._candidates(tried)
                 d = self.policy.choose(route, candidates)
                 tried.add(d.replica)
                 if self.metrics is not None:
                     self.metrics.decision(d.reason, d.replica)
-                got_output = False
+                held: list[Chunk] = []
+                delivered = False
                 try:
                     async for chunk in self._call(d, req, route):
-                        got_output = True
-                        yield chunk, d
-                    self.counts["succeeded"] += 1
-                    return
-                except (asyncio.CancelledError, GeneratorExit, APIError):
+                        if buffered:
+                            held.append(chunk)
+                        else:
+                            delivered = True
+                            yield chunk, d
+                except (asyncio.CancelledError, GeneratorExit):
                     raise
                 except Exception as e:
-                    dead = isinstance(e, _REPLICA_DEAD)
-                    if dead:
-                        self._mark_down(self.engines[d.replica])
-                        asyncio.get_running_loop().create_task(self.refresh())
+                    if not engine_dead(e):
+                        raise _request_error(e) from e
+                    self.replicas.dead(d.replica, e)
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
-                    if got_output or attempt == attempts - 1:
-                        raise EngineFailure(d.replica, e, got_output) from e
-                    self.record_retry()
+                    if delivered or attempt == self.cfg.router.max_retries:
+                        self.record_failure(e)
+                        raise EngineFailure(d.replica, e, delivered) from e
+                    self.counts["retried"] += 1
+                    if self.metrics is not None:
+                        self.metrics.retries.inc(1, self.metrics.base)
+                    continue
+                for chunk in held:
+                    yield chunk, d
+                self.counts["succeeded"] += 1
+                return
         finally:
-            self.inflight -= 1
             if self.metrics is not None:
                 self.metrics.e2e.observe(time.monotonic() - t0, self.metrics.base)
+
+    async def _candidates(self, tried: set[str]) -> list[str]:
+        """Live replicas (untried ones first) below this router's per-engine cap of
+        serve.max_ongoing_requests; waits here, in the router, while all are at the cap."""
+        cap = self.cfg.serve.max_ongoing_requests
+        while True:
+            live = self.live()
+            if not live:
+                self._reject(503)
+                raise APIError(503, "no engine replica is ready", retry_after=5)
+            fresh = [r for r in live if r not in tried] or live
+            open_ = [r for r in fresh if self.load.local[r] < cap]
+            if open_:
+                return open_
+            await asyncio.sleep(0.005)
 
     async def _call(self, d: Decision, req: GenerateRequest,
                     route: RouteRequest) -> AsyncIterator[Chunk]:
         replica = d.replica
         uncached = route.prompt_tokens - d.predicted_cached_tokens
-        self.load.acquire(replica, uncached)
+        epoch = self.load.acquire(replica, uncached)
         self.policy.on_dispatch(replica, route)
         prefill_pending = True
         out_tokens: list[int] = []
-        gen = self.engines[replica].handle.options(stream=True).generate.remote(req)
+        handle = self.replicas.replicas[replica].handle
+        gen = handle.options(stream=True).generate.remote(req)
         try:
             async for chunk in gen:
                 if prefill_pending:
@@ -243,24 +245,36 @@ class Dispatcher:
             # Runs on success, failure and cancellation alike: the engine request is
             # cancelled (aborted in vLLM) and the replica's load released.
             gen.cancel()
-            self.load.release(replica, uncached if prefill_pending else 0)
+            self.load.release(replica, uncached if prefill_pending else 0, epoch)
 
     def _learn(self, d: Decision, route: RouteRequest, req: GenerateRequest, last: Chunk,
                out_tokens: list[int]) -> None:
-        # Multi-turn: the engine now caches prompt + generated tokens; index them all so the
-        # next turn finds its whole history.
-        # Only the blocks after the prompt's are new: reuse its hashes.
-        full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens, route.block_hashes)
+        # Multi-turn: the engine now caches the prompt and every generated token but the
+        # last (whose KV was never computed); index those so the next turn finds its whole
+        # history (with KV events, until the events confirm it). Only the blocks after the
+        # prompt's are new: reuse its hashes.
+        full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens[:-1],
+                                       route.block_hashes)
         self.policy.on_complete(d.replica, [to_key(h) for h in full])
         t = last.timings
-        cost = getattr(self.policy, "cost", None)
-        if cost is not None and t:
-            cost.observe_prefill(last.prompt_tokens - last.num_cached_tokens,
-                                 last.num_cached_tokens, t.get("prefill_s", 0.0))
-            cost.observe_decode(t.get("itl_s"), self.load.inflight[d.replica])
+        self.policy.observe(last.prompt_tokens - last.num_cached_tokens,
+                            last.num_cached_tokens, t, self.load.inflight[d.replica])
         if self.metrics is not None:
             self.metrics.outcome(d.predicted_cached_tokens, last.num_cached_tokens,
                                  last.prompt_tokens, t.get("e2e_s", 0.0) if t else 0.0)
+
+
+def _request_error(e: BaseException) -> APIError:
+    """An engine-side exception about the request itself → the client's 4xx."""
+    from rayattn.compat import client_error_types
+
+    # Ray's RayTaskError carries the engine's own exception as `cause`.
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, client_error_types()):
+        return APIError(400, f"engine rejected the request: {str(cause)[:500]}",
+                        param=getattr(cause, "parameter", None))
+    log.error("engine error (not retried): %s: %s", type(e).__name__, str(e)[:500])
+    return APIError(500, f"engine error: {type(e).__name__}")
 
 
 class EngineFailure(Exception):

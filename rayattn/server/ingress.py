@@ -86,7 +86,7 @@ class Ingress:
         return want or room
 
     def _engine_max_len(self) -> int:
-        for s in self.dispatcher.engines.values():
+        for s in self.dispatcher.replicas.replicas.values():
             if s.info:
                 return s.info["max_model_len"]
         return 2**31
@@ -98,6 +98,17 @@ class Ingress:
             body = await self._body(request, ChatCompletionRequest if kind == "chat"
                                     else CompletionRequest)
             self.dispatcher.admit()
+        except APIError as e:
+            return e.response()
+        # From here the admission slot is ours until the response ends (or fails to start).
+        try:
+            return await self._admitted(request, kind, body, t0)
+        except BaseException:
+            self.dispatcher.admission.release()
+            raise
+
+    async def _admitted(self, request: Request, kind: str, body: Any, t0: float) -> Response:
+        try:
             if kind == "chat":
                 messages = [m.model_dump(exclude_none=True) for m in body.messages]
                 for m, orig in zip(messages, body.messages, strict=True):
@@ -113,6 +124,7 @@ class Ingress:
                 text = body.prompt if isinstance(body.prompt, str) else ""
             max_tokens = self._limits(prompt, body)
         except APIError as e:
+            self.dispatcher.admission.release()
             return e.response()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens))
@@ -131,27 +143,21 @@ class Ingress:
         token_ids: list[int] = []
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
-                for attempt in range(1 + self.cfg.router.max_retries):
-                    text, last, token_ids = [], None, []
-                    try:
-                        async for chunk, d in self.dispatcher.generate(greq, route,
-                                                                       resend=attempt > 0):
-                            text.append(chunk.text)
-                            token_ids.extend(chunk.token_ids)
-                            last, decision = chunk, d
-                        break
-                    except EngineFailure as e:
-                        # Nothing reached the client yet, so a fresh attempt is safe.
-                        if attempt == self.cfg.router.max_retries:
-                            self.dispatcher.record_failure(e.cause)
-                            return APIError(503, f"engine failure: {e}", retry_after=2) \
-                                .response()
-                        self.dispatcher.record_retry()
+                # Buffered: nothing reaches the client before the answer is whole, so the
+                # dispatcher may retry a replica failure at any point.
+                async for chunk, d in self.dispatcher.generate(greq, route, buffered=True):
+                    text.append(chunk.text)
+                    token_ids.extend(chunk.token_ids)
+                    last, decision = chunk, d
         except APIError as e:
             return e.response()
+        except EngineFailure as e:
+            return APIError(503, f"engine failure: {e}", retry_after=2).response()
         except TimeoutError:
             return APIError(504, f"request exceeded {self.cfg.router.request_timeout_s}s")\
                 .response()
+        finally:
+            self.dispatcher.admission.release()
         assert last is not None and decision is not None
         content = "".join(text)
         if kind == "chat":
@@ -204,12 +210,13 @@ class Ingress:
             yield event(e.body())
             yield "data: [DONE]\n\n"
         except EngineFailure as e:
-            self.dispatcher.record_failure(e.cause)
             yield event(APIError(503, f"engine failure mid-stream: {e}").body())
             yield "data: [DONE]\n\n"
         except TimeoutError:
             yield event(APIError(504, "request timed out").body())
             yield "data: [DONE]\n\n"
+        finally:
+            self.dispatcher.admission.release()
 
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:
@@ -231,25 +238,31 @@ class Ingress:
              "max_model_len": self._engine_max_len()}]})
 
     def _not_ready(self) -> APIError:
-        n = len(self.dispatcher.engines)
+        n = len(self.dispatcher.replicas.replicas)
         return APIError(503, f"not ready: 0 of {n} engine replicas serve yet (engines load "
                              "the model at start-up; retry shortly)", retry_after=5)
 
     async def health(self) -> Response:
         await self.dispatcher.start()
         live = self.dispatcher.live()
+        d = self.dispatcher
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
                 "reason": None if live else self._not_ready().message,
-                "replicas": len(self.dispatcher.engines), "policy": self.dispatcher.policy.name,
-                "counts": self.dispatcher.counts,
-                "engines": {n: {"up": s.up, "inflight": self.dispatcher.load.inflight[n],
-                                "unfinished": s.info.get("unfinished"), "pid": s.pid,
-                                "kv_blocks": s.info.get("num_gpu_blocks"),
-                                "backend": s.info.get("backend"),
-                                "block_size": s.info.get("block_size"),
-                                "engine_pids": s.info.get("engine_pids", []),
-                                "devices": s.info.get("devices", [])}
-                            for n, s in self.dispatcher.engines.items()}}
+                "replicas": len(d.replicas.replicas), "policy": d.policy.name,
+                "index": d.view.mode,
+                "counts": {**d.counts, "admitted_now": d.admission.inflight,
+                           "admitted_peak": d.admission.peak},
+                "engines": {n: {"up": r.up, "pid": r.info.get("pid"),
+                                "inflight": d.load.inflight[n], "local": d.load.local[n],
+                                "unfinished": r.info.get("unfinished"),
+                                "downs": r.downs, "slow_probes": r.slow_probes,
+                                "kv_blocks": r.info.get("num_gpu_blocks"),
+                                "backend": r.info.get("backend"),
+                                "block_size": r.info.get("block_size"),
+                                "engine_pids": r.info.get("engine_pids", []),
+                                "devices": r.info.get("devices", []),
+                                "cache_view": d.view.stats(n)}
+                            for n, r in d.replicas.replicas.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)

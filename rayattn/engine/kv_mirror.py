@@ -1,0 +1,114 @@
+"""The engine replica's own copy of which blocks its engine caches, from vLLM's KV events.
+
+Routers follow each engine's event stream live; this mirror is what they resynchronise from
+(on start, after a lost batch): `snapshot()` is the set of cached block keys together with
+the sequence number it reflects. The mirror subscribes before the engine starts, so it sees
+every batch from the first; should it ever miss one (ZMQ high-water mark), it fetches the
+missing batches from vLLM's replay socket.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+
+from rayattn.routing.kv_events import Snapshot, apply_batch, decoder
+
+log = logging.getLogger("rayattn.engine")
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def node_ip() -> str:
+    try:
+        import ray
+
+        return ray.util.get_node_ip_address()
+    except Exception:
+        return "127.0.0.1"
+
+
+class KVMirror:
+    def __init__(self, pub_port: int, replay_port: int) -> None:
+        self.pub_port, self.replay_port = pub_port, replay_port
+        self._keys: dict[int, None] = {}
+        self._seq = -1
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kv-mirror", daemon=True)
+        self._thread.start()
+
+    # CacheSink, called with the lock held
+    def stored(self, keys: list[int]) -> None:
+        self._keys.update(dict.fromkeys(keys))
+
+    def removed(self, keys: list[int]) -> None:
+        for k in keys:
+            self._keys.pop(k, None)
+
+    def cleared(self) -> None:
+        self._keys.clear()
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            return Snapshot(self._seq, list(self._keys))
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+    def close(self) -> None:
+        self._stop.set()
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.setsockopt(zmq.RCVHWM, 0)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
+        dec = decoder()
+        while not self._stop.is_set():
+            if not sub.poll(200):
+                continue
+            parts = sub.recv_multipart()
+            if len(parts) != 3:
+                continue
+            seq = int.from_bytes(parts[1], "big")
+            if seq > self._seq + 1 and self._seq >= 0:
+                self._replay(ctx, self._seq + 1, seq, dec)
+            with self._lock:
+                if seq > self._seq:
+                    apply_batch(dec.decode(parts[2]), self)
+                    self._seq = seq
+        sub.close()
+
+    def _replay(self, ctx, start: int, upto: int, dec) -> None:
+        import zmq
+
+        req = ctx.socket(zmq.DEALER)
+        req.setsockopt(zmq.LINGER, 0)
+        req.connect(f"tcp://127.0.0.1:{self.replay_port}")
+        req.send_multipart((b"", start.to_bytes(8, "big")))
+        got = 0
+        while req.poll(2000):
+            frames = req.recv_multipart()
+            if len(frames) < 4 or not frames[1]:  # END marker: (b"", b"", END_SEQ, b"")
+                break
+            seq = int.from_bytes(frames[2], "big")
+            if start <= seq < upto:
+                with self._lock:
+                    apply_batch(dec.decode(frames[3]), self)
+                    self._seq = seq
+                got += 1
+        req.close()
+        if got < upto - start:
+            log.error("KV mirror lost %d event batches that vLLM's replay buffer no longer "
+                      "holds; routers will resync to an incomplete view",
+                      upto - start - got)

@@ -1,0 +1,123 @@
+"""Which engine replicas exist and which are up, from the engines themselves.
+
+A replica is out only when Ray says its actor is dead or its engine says it is dead
+(`check_health` raising inside `info()`): a slow answer proves nothing under saturation, so
+a probe that times out leaves the replica up and its cache view intact. A new PID means
+Serve replaced the replica (its cache starts empty). The same poll brings each engine's own
+count of unfinished requests, the load every router replica sees alike.
+
+Probes go to the engine deployment next to generation traffic; the engine deployment's
+Serve limit leaves room for them (rayattn/app.py), so they never queue behind generation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray import exceptions as ray_exc
+
+log = logging.getLogger("rayattn.router")
+
+# Errors that mean the replica (not the request) is gone.
+REPLICA_DEAD: tuple[type[BaseException], ...] = (
+    ray_exc.RayActorError, ray_exc.ActorDiedError, ray_exc.ActorUnavailableError)
+
+
+def engine_dead(e: BaseException) -> bool:
+    """True when `e` says the engine replica is gone (not that one request was bad)."""
+    if isinstance(e, REPLICA_DEAD):
+        return True
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except Exception:  # pragma: no cover - vLLM layout differs
+        return False
+    return isinstance(e, EngineDeadError)
+
+
+@dataclass
+class Replica:
+    name: str
+    handle: Any
+    up: bool = False
+    pid: int | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    downs: int = 0
+    """Times this replica was taken out (dead actor or engine, or replaced)."""
+    slow_probes: int = 0
+    """Probes that timed out while the replica stayed in (saturation, not death)."""
+    last_seen: float = 0.0
+
+
+class ReplicaSet:
+    def __init__(self, handles: dict[str, Any], on_up: Callable[[Replica], bool],
+                 on_down: Callable[[Replica], None], period_s: float = 0.5,
+                 timeout_s: float = 10.0) -> None:
+        self.replicas = {n: Replica(n, h) for n, h in handles.items()}
+        self._on_up, self._on_down = on_up, on_down
+        self.period_s, self.timeout_s = period_s, timeout_s
+        self._task: asyncio.Task | None = None
+        self._lock = asyncio.Lock()
+
+    def live(self) -> list[str]:
+        return [n for n, r in self.replicas.items() if r.up]
+
+    async def start(self) -> None:
+        if self._task is None:
+            await self.refresh()
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                await self.refresh()
+            except Exception:  # the probe must outlive any one bad round
+                log.exception("engine probe failed")
+
+    async def refresh(self) -> None:
+        async with self._lock:
+            await asyncio.gather(*(self._probe(r) for r in self.replicas.values()))
+
+    async def _probe(self, r: Replica) -> None:
+        try:
+            info = await asyncio.wait_for(r.handle.info.remote(), timeout=self.timeout_s)
+        except TimeoutError:
+            r.slow_probes += 1
+            if r.up:
+                log.warning("engine %s slow to answer its probe (%.0fs); keeping it in",
+                            r.name, self.timeout_s)
+            return
+        except Exception as e:
+            if engine_dead(e) or not r.up:
+                self.mark_down(r, f"{type(e).__name__}: {str(e)[:200]}")
+            else:
+                log.warning("engine %s probe error kept it in: %s", r.name, type(e).__name__)
+            return
+        r.last_seen = time.monotonic()
+        if r.pid is not None and info["pid"] != r.pid:
+            self.mark_down(r, f"replaced (pid {r.pid} -> {info['pid']})")
+        r.info = info
+        if not r.up:
+            r.pid = info["pid"]
+            # The router may refuse a replica it cannot route to correctly (block size).
+            r.up = self._on_up(r)
+            if r.up:
+                log.info("engine %s up: %s", r.name, info)
+
+    def mark_down(self, r: Replica, why: str) -> None:
+        if r.up:
+            r.downs += 1
+            log.warning("engine %s down: %s", r.name, why)
+            r.up = False
+            self._on_down(r)
+        r.pid = None
+
+    def dead(self, name: str, cause: BaseException) -> None:
+        """A call to `name` failed with a replica-dead error: out now, probe soon."""
+        self.mark_down(self.replicas[name], type(cause).__name__)
+        asyncio.get_running_loop().create_task(self.refresh())

@@ -1,0 +1,148 @@
+"""The router's picture of the engines is the engines' own: KV events, engine-reported load,
+probes that cannot starve, request errors that are the client's. Real Ray, real vLLM."""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import time
+
+import httpx
+import pytest
+
+from rayattn.bench.cli import wait_healthy
+from rayattn.bench.driver import oracle, run_workload, summarize
+from rayattn.bench.workloads import multi_turn
+from tests.conftest import local_args
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2"
+BLOCK = 32
+
+
+def health(url: str) -> dict:
+    return httpx.get(f"{url}/health", timeout=30).json()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(server):
+    from transformers import AutoTokenizer
+
+    from rayattn.models.embedded import resolve_embedded
+
+    return AutoTokenizer.from_pretrained(str(resolve_embedded("rayattn://smollm2-135m")))
+
+
+def test_kv_event_index_predicts_every_cached_token(server, reset, tokenizer):
+    """Multi-turn at concurrency 8 on 2 replicas: for every request the router's prediction
+    (from the engines' KV events) equals the cached tokens the engine reports."""
+    reset("affinity")
+    assert health(server)["index"] == "events"
+    wl = multi_turn(conversations=8, turns=4, shared_systems=8, system_words=150, seed=5)
+    res, wall = asyncio.run(run_workload(server, MODEL, wl, concurrency=8))
+    s = summarize(res, wall)
+    o = oracle(res, wl, tokenizer, BLOCK)
+    print(f"\nevents index: {s} {o}")
+    assert s["ok"] == 32
+    wrong = [(r.session, r.turn, r.predicted_cached_tokens, r.cached_tokens)
+             for r in res if r.predicted_cached_tokens != r.cached_tokens]
+    assert not wrong, wrong
+    assert s["hit_rate"] >= 0.97 * o["oracle_block_hit_rate"]
+    views = health(server)["engines"]
+    assert all(v["cache_view"]["blocks"] > 0 and v["cache_view"]["batches"] > 0
+               for v in views.values()), views
+
+
+def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
+    """A second, independent router on the same engines: turns alternate between the two,
+    and each still finds the history the other one placed."""
+    from ray import serve
+
+    from rayattn.app import Router
+
+    reset("affinity")
+    engines = [serve.get_deployment_handle(f"engine-{i}", app_name="rayattn") for i in (0, 1)]
+    serve.run(Router.options(name="router-b").bind(local_args(), engines), name="second",
+              route_prefix="/second", blocking=False)
+    other = f"{server}/second"
+    wait_healthy(other)
+    try:
+        wl = multi_turn(conversations=6, turns=4, shared_systems=6, system_words=150, seed=9)
+        res, wall = asyncio.run(run_workload([server, other], MODEL, wl, concurrency=6))
+        s = summarize(res, wall)
+        o = oracle(res, wl, tokenizer, BLOCK)
+        print(f"\ntwo routers: {s} {o}")
+        assert s["ok"] == 24
+        assert s["hit_rate"] >= 0.97 * o["oracle_block_hit_rate"]
+        later = [r for r in res if r.turn > 0]
+        assert all(r.predicted_cached_tokens == r.cached_tokens for r in later)
+        time.sleep(1.0)  # let the last events land on both
+        a, b = health(server)["engines"], health(other)["engines"]
+        for name in a:
+            assert a[name]["cache_view"]["blocks"] == b[name]["cache_view"]["blocks"] > 0
+    finally:
+        serve.delete("second")
+
+
+def test_engine_validation_error_is_one_400_without_retry(server):
+    before = health(server)
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+        "model": MODEL, "max_tokens": 4, "stop": [""],
+        "messages": [{"role": "user", "content": "hello"}]})
+    after = health(server)
+    assert r.status_code == 400, r.text
+    assert "empty string" in r.json()["error"]["message"]  # vLLM's own words
+    assert after["counts"]["retried"] == before["counts"]["retried"]
+    assert after["counts"]["failed"] == before["counts"]["failed"]
+    assert all(e["downs"] == before["engines"][n]["downs"] for n, e in after["engines"].items())
+
+
+def _burn(stop: float) -> None:
+    while time.time() < stop:
+        pass
+
+
+def test_probes_under_saturation_never_mark_a_replica_down(server):
+    """Both cores busy with other work and more generation in flight than the engines'
+    request limit: the routers' probes must still get through, no replica goes down, no
+    request fails."""
+    before = health(server)
+    n = 2 * local_args()["serve"]["max_ongoing_requests"] + 16
+    stop = time.time() + 40
+    hogs = [mp.get_context("spawn").Process(target=_burn, args=(stop,)) for _ in range(2)]
+    for h in hogs:
+        h.start()
+    samples: list[list[str]] = []
+
+    async def watch(done: asyncio.Event) -> None:
+        async with httpx.AsyncClient(timeout=60) as c:
+            while not done.is_set():
+                samples.append((await c.get(f"{server}/health")).json()["replicas_up"])
+                await asyncio.sleep(0.5)
+
+    async def go():
+        done = asyncio.Event()
+        w = asyncio.create_task(watch(done))
+        async with httpx.AsyncClient(timeout=300) as c:
+            rs = await asyncio.gather(*(c.post(f"{server}/v1/chat/completions", json={
+                "model": MODEL, "max_tokens": 48, "ignore_eos": True,
+                "messages": [{"role": "user", "content": f"saturate {i}"}]})
+                for i in range(n)))
+        done.set()
+        await w
+        return rs
+
+    try:
+        rs = asyncio.run(go())
+    finally:
+        for h in hogs:
+            h.terminate()
+            h.join()
+    after = health(server)
+    codes = [r.status_code for r in rs]
+    print(f"\nsaturation: {codes.count(200)}/{n} ok, {len(samples)} health samples, "
+          f"slow probes {[e['slow_probes'] for e in after['engines'].values()]}")
+    assert codes.count(200) == n, codes
+    assert all(len(s) == 2 for s in samples), samples
+    assert all(e["downs"] == before["engines"][k]["downs"]
+               for k, e in after["engines"].items())
