@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                   RAY_USAGE_STATS_ENABLED="0")
 
-from rayattn.bench.cli import POLICIES, compare, start_local  # noqa: E402
+from rayattn.bench.cli import POLICIES, run_matrix, start_local  # noqa: E402
 from rayattn.bench.report import write_run  # noqa: E402
 from rayattn.bench.workloads import multi_turn, shared_prefix  # noqa: E402
 
@@ -80,7 +80,15 @@ def main() -> None:
                                                     system_words=300, seed=11),
                      "multi_turn": multi_turn(conversations=12, turns=4, shared_systems=3,
                                               seed=12)}
-        table, raw = compare(url, "smollm2", workloads, POLICIES, 8, 32, tok)
+        table: dict = {}
+        raw: dict = {}
+
+        def prepare(policy: str) -> None:
+            httpx.post(f"{url}/admin/reset", json={"policy": policy},
+                       timeout=60).raise_for_status()
+
+        run_matrix("rayattn", url, "smollm2", workloads, POLICIES, prepare, 8, 32, tok, 1,
+                   None, table, raw)
         write_run(out, table, raw)
         print((out / "policies.md").read_text())
 

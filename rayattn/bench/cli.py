@@ -54,58 +54,145 @@ def wait_healthy(url: str, timeout: float = 300) -> dict:
     raise TimeoutError(f"deployment not healthy: {last}")
 
 
-def compare(url: str, model: str, workloads: dict, policies: list[str], concurrency: int,
-            block_size: int, tokenizer, rate: float | None = None,
-            progress: bool = False) -> tuple[dict, dict]:
-    """Each policy on each workload, caches reset in between (needs router.admin_api)."""
-    import httpx
-
-    from rayattn.bench.driver import oracle, results_json, run_workload, summarize
-
-    table: dict = {}
-    raw: dict = {}
-    for wname, wl in workloads.items():
-        for pol in policies:
-            r = httpx.post(f"{url}/admin/reset", json={"policy": pol}, timeout=60)
-            r.raise_for_status()
-            res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
-                                                 rate=rate, progress=progress))
-            s = summarize(res, wall)
-            s.update(oracle(res, wl, tokenizer, block_size))
-            s["hit_vs_block_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
-            s["hit_vs_token_oracle"] = s["hit_rate"] / max(s["oracle_token_hit_rate"], 1e-9)
-            table.setdefault(wname, {})[pol] = s
-            raw[f"{wname}/{pol}"] = results_json(res)
-            print(f"{wname:14s} {pol:13s} hit={s['hit_rate']:.3f} "
-                  f"oracle={s['oracle_block_hit_rate']:.3f} ttft p50={s['ttft_p50_s']:.3f} "
-                  f"p90={s['ttft_p90_s']:.3f} share={s['max_replica_share']:.2f}", flush=True)
-    return table, raw
-
-
 def cmd_bench(a: argparse.Namespace) -> int:
+    import httpx
     from transformers import AutoTokenizer
 
     from rayattn.bench.report import write_run
     from rayattn.bench.workloads import long_doc_qa, mix, multi_turn, shared_prefix
     from rayattn.models.embedded import resolve_embedded
 
-    url = a.target
-    if url is None:
-        url, startup = start_local(a.port)
-        print(f"local deployment up in {startup:.1f}s at {url}")
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
                                              seed=a.seed),
               "multi_turn": multi_turn(conversations=a.conversations, turns=a.turns,
-                                       seed=a.seed),
+                                       shared_systems=a.shared_systems,
+                                       system_words=a.system_words, seed=a.seed),
               "long_doc_qa": long_doc_qa(seed=a.seed), "mix": mix(seed=a.seed)}
     workloads = {k: v for k, v in wl_all.items() if k in a.workload.split(",")}
     tok = AutoTokenizer.from_pretrained(a.tokenizer or
                                         str(resolve_embedded("rayattn://smollm2-135m")))
-    table, raw = compare(url, a.model, workloads, a.policies.split(","), a.concurrency,
-                         a.block_size, tok, rate=a.rate, progress=True)
+    table: dict = {}
+    raw: dict = {}
+    if a.policies:
+        url = a.target
+        if url is None:
+            url, startup = start_local(a.port, a.config)
+            print(f"local deployment up in {startup:.1f}s at {url}")
+
+        def rayattn_policy(pol: str) -> None:
+            r = httpx.post(f"{url}/admin/reset", json={"policy": pol}, timeout=60)
+            r.raise_for_status()
+
+        run_matrix("rayattn", url, a.model, workloads, a.policies.split(","), rayattn_policy,
+                   a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+        if a.target is None and a.peer:
+            stop_local()  # the peer gets the machine to itself, as rayattn had it
+    if a.peer:
+        run_peer(a, workloads, tok, table, raw)
+        add_ratios(table)
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
     return 0
+
+
+def stop_local() -> None:
+    import ray
+    from ray import serve
+
+    serve.shutdown()
+    ray.shutdown()
+
+
+def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict) -> None:
+    import yaml
+
+    from rayattn.bench.peer import PeerStack
+    from rayattn.config.loader import parse_args
+    from rayattn.config.plan import build_plan
+
+    args = yaml.safe_load(Path(a.config).read_text())["applications"][0]["args"]
+    plan = build_plan(parse_args(args), prepare_model=True)
+    stack = PeerStack(plan, a.peer_port, Path(a.out) / "peer-logs")
+    try:
+        took = stack.start_engines()
+        print(f"{plan.replicas} vllm serve engines up in {took:.1f}s")
+
+        def prepare(policy: str) -> None:
+            stack.start_router(policy)
+            stack.reset_caches()
+
+        run_matrix("vllm-router", stack.url, a.model, workloads, a.peer_policies.split(","),
+                   prepare, a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+    finally:
+        stack.stop()
+
+
+def _score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
+    from rayattn.bench.driver import oracle, summarize
+
+    s = summarize(res, wall)
+    s.update(oracle(res, wl, tokenizer, block_size))
+    s["hit_vs_block_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
+    s["hit_vs_token_oracle"] = s["hit_rate"] / max(s["oracle_token_hit_rate"], 1e-9)
+    later = [r for r in res if r.status == 200 and r.turn > 0]
+    s["later_ttft_p90_s"] = _pct(sorted(r.ttft_s for r in later), 0.9)
+    return s
+
+
+def _pct(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+
+
+def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list[str],
+               prepare, concurrency: int, block_size: int, tokenizer, runs: int,
+               rate: float | None, table: dict, raw: dict) -> None:
+    """Every policy on every workload, `runs` times (interleaved, so drift hits all alike);
+    `prepare(policy)` puts the stack in that policy with cold caches."""
+    import statistics
+
+    from rayattn.bench.driver import results_json, run_workload
+
+    for wname, wl in workloads.items():
+        per: dict[str, list[dict]] = {p: [] for p in policies}
+        for run in range(runs):
+            for pol in policies:
+                prepare(pol)
+                res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
+                                                     rate=rate, progress=True))
+                s = _score(res, wall, wl, tokenizer, block_size)
+                per[pol].append(s)
+                raw.setdefault(f"{wname}/{label} {pol}", []).extend(
+                    {**r, "run": run} for r in results_json(res))
+                print(f"{wname:14s} {label:11s} {pol:19s} run {run}: "
+                      f"hit/oracle={s['hit_vs_block_oracle']:.3f} wall={wall:.1f}s "
+                      f"ttft p50={s['ttft_p50_s']:.3f} p90={s['ttft_p90_s']:.3f} "
+                      f"later p90={s['later_ttft_p90_s']:.3f} ok={s['ok']}/{s['requests']}",
+                      flush=True)
+        for pol, ss in per.items():
+            row = dict(ss[len(ss) // 2])  # one run's details; the figures below are medians
+            for k in ("hit_rate", "hit_vs_block_oracle", "wall_s", "ttft_p50_s", "ttft_p90_s",
+                      "later_ttft_p90_s", "output_tok_per_s"):
+                vals = [x[k] for x in ss]
+                row[k] = statistics.median(vals)
+                row[f"{k}_range"] = [min(vals), max(vals)]
+            row["runs"] = len(ss)
+            table.setdefault(wname, {})[f"{label} {pol}"] = row
+
+
+def add_ratios(table: dict, peer_label: str = "vllm-router") -> None:
+    """Each row's wall time, TTFT p90 and throughput as ratios to the peer's best policy
+    (lowest median wall time) on the same workload in the same run."""
+    for rows in table.values():
+        peers = {k: v for k, v in rows.items() if k.startswith(peer_label)}
+        if not peers:
+            continue
+        best_name, best = min(peers.items(), key=lambda kv: kv[1]["wall_s"])
+        for r in rows.values():
+            r["vs_peer"] = best_name
+            r["wall_ratio"] = r["wall_s"] / best["wall_s"]
+            r["ttft_p90_ratio"] = r["ttft_p90_s"] / best["ttft_p90_s"]
+            r["later_ttft_p90_ratio"] = r["later_ttft_p90_s"] / best["later_ttft_p90_s"]
+            r["throughput_ratio"] = r["output_tok_per_s"] / best["output_tok_per_s"]
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
@@ -167,7 +254,18 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson conversation arrivals per second "
                         "(default: closed loop at --concurrency)")
-    b.add_argument("--policies", default=",".join(POLICIES))
+    b.add_argument("--config", default="deployments/local.yaml",
+                   help="Serve config whose engines both stacks use")
+    b.add_argument("--policies", default=",".join(POLICIES),
+                   help="rayattn policies (empty: peer only)")
+    b.add_argument("--peer", choices=["vllm-router"],
+                   help="also run vllm-router in front of `vllm serve` engines with the same "
+                        "engine settings, after rayattn, in the same run")
+    b.add_argument("--peer-policies", default="cache_aware,sticky_least_loaded")
+    b.add_argument("--peer-port", type=int, default=8200)
+    b.add_argument("--runs", type=int, default=1, help="repetitions of every policy")
+    b.add_argument("--shared-systems", type=int, default=2)
+    b.add_argument("--system-words", type=int, default=200)
     b.add_argument("--concurrency", type=int, default=8)
     b.add_argument("--groups", type=int, default=6)
     b.add_argument("--prompts", type=int, default=8)

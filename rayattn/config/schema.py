@@ -186,6 +186,11 @@ class RouterConfig(_Strict):
     load_epsilon: float = Field(0.5, ge=0)
     """Bounded-load guard: no replica takes a request while its in-flight count exceeds
     (1 + ε) × the mean (+1), whatever its cache holds."""
+    min_match_fraction: float = Field(0.1, ge=0, le=1)
+    """`affinity`: a cached prefix shorter than this fraction of the prompt does not count
+    (like Ray Serve LLM's match-rate threshold): new conversations that share only a short
+    head (chat template, a common first line) spread by where they differ instead of piling
+    onto the replica that served the first of them."""
     prefill_s_per_token: float = Field(2e-4, gt=0)
     """Initial cost of prefilling one token; refitted online from engine timings."""
     extend_s_per_context_token: float = Field(1e-6, ge=0)

@@ -74,6 +74,8 @@ class EventFeed:
         self.endpoint, self.sink, self._snapshot, self._reset = endpoint, sink, snapshot, reset
         self.name = name
         self.last_seq = -1
+        self._seen = -1
+        """Highest sequence number received (a resync must reach at least this)."""
         self.resyncs = 0
         self.batches = 0
         self._task: asyncio.Task | None = None
@@ -114,6 +116,13 @@ class EventFeed:
         # take the snapshot; anything published meanwhile is buffered in the socket.
         await asyncio.sleep(0.05)
         snap = await self._snapshot()
+        for _ in range(100):
+            # After a gap the mirror may still be catching up (it fills its own gaps from
+            # vLLM's replay buffer): wait until it reflects what this feed already saw.
+            if snap.seq >= self._seen:
+                break
+            await asyncio.sleep(0.1)
+            snap = await self._snapshot()
         self._reset(snap.keys)
         self.last_seq = snap.seq
         self.resyncs += 1
@@ -122,6 +131,7 @@ class EventFeed:
             if len(parts) != 3:
                 continue
             seq = int.from_bytes(parts[1], "big")
+            self._seen = max(self._seen, seq)
             if seq <= self.last_seq:
                 continue  # already in the snapshot
             if seq != self.last_seq + 1:

@@ -5,7 +5,12 @@ The engine's count alone is up to one probe period stale and would read zero on 
 replica while a burst lands on it; this router's own dispatches alone miss what the other
 router replicas sent. Their combination is fleet-wide and current:
 
-    inflight(r) = max(local(r), engine_count(r) + sent_since_count(r))
+    inflight(r) = max(local(r), engine_count(r) - done_since(r) + sent_since(r))
+
+where sent_since counts this router's requests sent after the count was taken and still in
+flight, and done_since those of its requests that the count included and that have finished
+since (without it, a replica finishing requests between two counts looks busier than it is
+and the load guard moves conversations off their cache).
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ class LoadTracker:
         """Unfinished requests the engine last reported."""
         self.sent_since: dict[str, int] = defaultdict(int)
         """Requests sent since the engine's last report and still in flight."""
+        self.done_since: dict[str, int] = defaultdict(int)
+        """Requests in the engine's last count that this router has seen finish since."""
         self.epoch: dict[str, int] = defaultdict(int)
         """Reports received per replica: tells whether a request predates the last one."""
         self.pending_prefill: dict[str, int] = defaultdict(int)
@@ -30,6 +37,7 @@ class LoadTracker:
     def reported(self, replica: str, unfinished: int) -> None:
         self.engine[replica] = unfinished
         self.sent_since[replica] = 0
+        self.done_since[replica] = 0
         self.epoch[replica] += 1
 
     def acquire(self, replica: str, prefill_tokens: int) -> int:
@@ -49,9 +57,13 @@ class LoadTracker:
         if epoch is None or epoch == self.epoch[replica]:
             # Sent after the engine's last count, so not in it: no longer in flight.
             self.sent_since[replica] = max(0, self.sent_since[replica] - 1)
+        else:
+            # In the engine's last count, which now overstates the load by one.
+            self.done_since[replica] += 1
 
     def forget(self, replica: str) -> None:
-        for d in (self.local, self.engine, self.sent_since, self.pending_prefill):
+        for d in (self.local, self.engine, self.sent_since, self.done_since,
+                  self.pending_prefill):
             d.pop(replica, None)
 
     def imbalance(self, replicas: list[str]) -> float:
@@ -70,7 +82,8 @@ class _Inflight:
     def __getitem__(self, replica: str) -> int:
         t = self._t
         return max(t.local.get(replica, 0),
-                   t.engine.get(replica, 0) + t.sent_since.get(replica, 0))
+                   t.engine.get(replica, 0) - t.done_since.get(replica, 0)
+                   + t.sent_since.get(replica, 0))
 
     def get(self, replica: str, default: int = 0) -> int:
         return self[replica]

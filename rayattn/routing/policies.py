@@ -146,9 +146,11 @@ class Affinity(Policy):
     name = "affinity"
 
     def __init__(self, index: PrefixIndex, load: LoadTracker, block_size: int, *,
-                 cost: CostModel, epsilon: float, max_sessions: int = 100_000) -> None:
+                 cost: CostModel, epsilon: float, min_match_fraction: float = 0.1,
+                 max_sessions: int = 100_000) -> None:
         super().__init__(index, load, block_size)
         self.cost, self.epsilon = cost, epsilon
+        self.min_match_fraction = min_match_fraction
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
 
@@ -162,8 +164,14 @@ class Affinity(Policy):
         allowed = [r for r in replicas if self.load.inflight[r] + 1 <= cap] or replicas
         c = self.cost
         costs: dict[str, float] = {}
+        floor = self.min_match_fraction * req.prompt_tokens
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
+            if cached < floor:
+                # A short shared head (chat template, a common first line) is not worth
+                # piling new conversations onto one replica: count it as a tie, so they
+                # spread by where they differ.
+                cached = 0
             wait = (self.load.pending_prefill[r] * c.prefill_s_per_token
                     + self.load.inflight[r] * c.decode_s_per_request)
             costs[r] = (wait + (req.prompt_tokens - cached) * c.prefill_s_per_token
@@ -180,7 +188,8 @@ class Affinity(Policy):
         else:
             key = self._tie_key(req, matches, best_cached in allowed)
             chosen = rendezvous_rank(key, near)[0] if len(near) > 1 else near[0]
-            reason = "affinity_hit" if matches.get(chosen) else "cold"
+            reason = "affinity_hit" if self.cached_tokens(req, matches.get(chosen, 0)) \
+                >= max(floor, 1) else "cold"
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
         if req.session:
@@ -264,7 +273,8 @@ def make_policy(name: str, index: PrefixIndex, load: LoadTracker, block_size: in
     if name == "affinity":
         cost = CostModel(rc.prefill_s_per_token, rc.extend_s_per_context_token,
                          rc.decode_s_per_request)
-        return Affinity(index, load, block_size, cost=cost, epsilon=rc.load_epsilon)
+        return Affinity(index, load, block_size, cost=cost, epsilon=rc.load_epsilon,
+                        min_match_fraction=rc.min_match_fraction)
     if name == "round_robin":
         return RoundRobin(index, load, block_size)
     if name == "power_of_two":

@@ -55,10 +55,11 @@ class Replica:
 
 class ReplicaSet:
     def __init__(self, handles: dict[str, Any], on_up: Callable[[Replica], bool],
-                 on_down: Callable[[Replica], None], period_s: float = 0.5,
+                 on_down: Callable[[Replica], None],
+                 on_info: Callable[[Replica], None] = lambda r: None, period_s: float = 0.5,
                  timeout_s: float = 10.0) -> None:
         self.replicas = {n: Replica(n, h) for n, h in handles.items()}
-        self._on_up, self._on_down = on_up, on_down
+        self._on_up, self._on_down, self._on_info = on_up, on_down, on_info
         self.period_s, self.timeout_s = period_s, timeout_s
         self._task: asyncio.Task | None = None
         self._lock = asyncio.Lock()
@@ -108,6 +109,8 @@ class ReplicaSet:
             r.up = self._on_up(r)
             if r.up:
                 log.info("engine %s up: %s", r.name, info)
+        if r.up:
+            self._on_info(r)
 
     def mark_down(self, r: Replica, why: str) -> None:
         if r.up:

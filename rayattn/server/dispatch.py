@@ -68,7 +68,9 @@ class Dispatcher:
         self.policy = make_policy(policy or cfg.router.policy, self.view.index, self.load,
                                   block_size, cfg.router)
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
-        self.replicas = ReplicaSet(engines, self._joined, self._left)
+        self.replicas = ReplicaSet(
+            engines, self._joined, self._left,
+            on_info=lambda r: self.load.reported(r.name, r.info.get("unfinished", 0)))
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
@@ -85,9 +87,6 @@ class Dispatcher:
     async def _report_loop(self) -> None:
         while True:
             live = self.live()
-            for name, r in self.replicas.replicas.items():
-                if r.up and "unfinished" in r.info:
-                    self.load.reported(name, r.info["unfinished"])
             if self.metrics is not None:
                 self.metrics.load(dict(self.load.inflight.items()), live,
                                   self.load.imbalance(live))
@@ -108,7 +107,6 @@ class Dispatcher:
                       self.hasher.block_size)
             return False
         self.view.join(r.name, r.info, r.handle)
-        self.load.reported(r.name, r.info.get("unfinished", 0))
         return True
 
     def _left(self, r: Replica) -> None:

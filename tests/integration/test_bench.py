@@ -21,13 +21,13 @@ def test_bench_smoke_and_simulator_agrees(server, tmp_path, reset):
                  # replicas by accident and scores like affinity
                  "--concurrency", "2", "--out", str(out)]) == 0
     table = json.loads((out / "policies.json").read_text())["shared_prefix"]
-    for pol in ("affinity", "round_robin"):
+    for pol in ("rayattn affinity", "rayattn round_robin"):
         s = table[pol]
         for field in ("hit_rate", "oracle_block_hit_rate", "ttft_p50_s", "ttft_p90_s",
                       "output_tok_per_s", "max_replica_share", "per_replica", "paths"):
             assert field in s
         assert s["ok"] == 24
-    assert table["affinity"]["hit_rate"] > table["round_robin"]["hit_rate"]
+    assert table["rayattn affinity"]["hit_rate"] > table["rayattn round_robin"]["hit_rate"]
     assert (out / "shared_prefix.png").stat().st_size > 10_000
     assert (out / "requests.csv").read_text().count("\n") == 49
 

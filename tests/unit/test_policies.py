@@ -141,3 +141,51 @@ def test_cost_model_refits_prefill_rate():
     for _ in range(30):
         pol.cost.observe_prefill(1000, 0, 1000 * before * 3)
     assert pol.cost.prefill_s_per_token > before * 2
+
+
+def test_cold_conversations_sharing_a_short_head_spread():
+    """New conversations whose prompts share only their first block (chat-template head)
+    spread by the block where they differ instead of all tie-breaking to one replica."""
+    pol, idx, load, names = fleet(4)
+    head = 999
+    chosen = []
+    for i in range(40):  # 20-block first turns whose first block is the shared head
+        r = req([head] + [10_000 * i + b for b in range(19)])
+        d = pol.choose(r, names)
+        pol.on_dispatch(d.replica, r)
+        pol.on_complete(d.replica, r.keys)
+        chosen.append(d.replica)
+    assert len(set(chosen)) == 4
+    assert max(chosen.count(n) for n in names) <= 20
+
+
+def test_load_counts_the_engines_report_and_what_was_sent_since():
+    load = LoadTracker()
+    load.reported("r0", 5)  # other routers' requests are in the engine's own count
+    assert load.inflight["r0"] == 5
+    e = load.acquire("r0", 100)
+    assert load.inflight["r0"] == 6
+    load.reported("r0", 6)  # the next count includes ours
+    assert load.inflight["r0"] == 6
+    load.release("r0", 0, e)  # in that count, and now finished: the count is one too high
+    assert load.inflight["r0"] == 5
+    e2 = load.acquire("r1", 0)
+    load.release("r1", 0, e2)
+    assert load.inflight["r1"] == 0
+
+
+def test_admission_is_exact():
+    from rayattn.server.dispatch import Admission
+    from rayattn.server.errors import APIError
+
+    adm = Admission(3)
+    for _ in range(3):
+        adm.acquire()
+    try:
+        adm.acquire()
+        raise AssertionError("admitted past the limit")
+    except APIError as e:
+        assert e.status == 429
+    adm.release()
+    adm.acquire()
+    assert adm.peak == 3

@@ -1,0 +1,125 @@
+"""The rival on the same engines: `vllm serve` engines with the deployment's exact engine
+settings, vllm-router (PyPI `vllm-router`) in front, driven by the same workloads.
+
+Everything started here runs in its own process group and is ended by PID when the run is
+over; nothing else is touched.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rayattn.config.plan import Plan
+
+PEER_POLICIES = ["cache_aware", "sticky_least_loaded"]
+
+
+def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
+    """AsyncEngineArgs keyword arguments → `vllm serve` flags (the same settings)."""
+    flags: list[str] = []
+    for k, v in engine_kwargs.items():
+        if v is None or k in ("model",):
+            continue
+        flag = "--" + k.replace("_", "-")
+        if isinstance(v, bool):
+            flags.append(flag if v else "--no-" + k.replace("_", "-"))
+        elif isinstance(v, (list, tuple)):
+            flags += [flag, *map(str, v)]
+        else:
+            flags += [flag, str(v)]
+    return flags
+
+
+class PeerStack:
+    """N `vllm serve` engines + one vllm-router at a time."""
+
+    def __init__(self, plan: Plan, base_port: int, log_dir: Path) -> None:
+        self.plan, self.base_port, self.log_dir = plan, base_port, log_dir
+        self.engines: list[subprocess.Popen] = []
+        self.router: subprocess.Popen | None = None
+        self.urls = [f"http://127.0.0.1:{base_port + 1 + i}" for i in range(plan.replicas)]
+        self.url = f"http://127.0.0.1:{base_port}"
+
+    def _spawn(self, cmd: list[str], name: str, env: dict[str, str]) -> subprocess.Popen:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_dir / f"{name}.log", "w")  # noqa: SIM115 - lives with the process
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                start_new_session=True)
+
+    def start_engines(self, timeout: float = 600) -> float:
+        kw = dict(self.plan.engine_kwargs)
+        model = kw["model"]
+        kw.pop("disable_log_stats", None)
+        env = {**os.environ, **self.plan.env, "VLLM_SERVER_DEV_MODE": "1"}
+        t0 = time.time()
+        for i, url in enumerate(self.urls):
+            port = url.rsplit(":", 1)[1]
+            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
+                   model, "--host", "127.0.0.1", "--port", port,
+                   "--enable-prompt-tokens-details", *serve_flags(kw)]
+            self.engines.append(self._spawn(cmd, f"vllm-serve-{i}", env))
+        for url in self.urls:
+            _wait(f"{url}/health", timeout, self.engines)
+        return time.time() - t0
+
+    def start_router(self, policy: str, timeout: float = 120) -> None:
+        self.stop_router()
+        exe = shutil.which("vllm-router") or str(Path(sys.executable).parent / "vllm-router")
+        cmd = [exe, "--host", "127.0.0.1", "--port", str(self.base_port), "--policy", policy,
+               "--worker-urls", *self.urls, "--log-level", "warning"]
+        self.router = self._spawn(cmd, f"vllm-router-{policy}", dict(os.environ))
+        _wait(f"{self.url}/v1/models", timeout, [self.router])
+
+    def reset_caches(self) -> None:
+        for url in self.urls:
+            httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            _end(self.router)
+            self.router = None
+
+    def stop(self) -> None:
+        self.stop_router()
+        for p in self.engines:
+            _end(p)
+        self.engines = []
+
+
+def _wait(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        dead = [p for p in procs if p.poll() is not None]
+        if dead:
+            raise RuntimeError(f"{dead[0].args[:3]} exited with {dead[0].returncode} "
+                               "(see its log)")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError(f"{url} not up in {timeout}s")
+
+
+def _end(p: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM the process group we started, SIGKILL it after `grace` seconds."""
+    if p.poll() is not None:
+        return
+    try:
+        os.killpg(p.pid, signal.SIGTERM)
+        p.wait(grace)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait(10)
+    except ProcessLookupError:
+        pass

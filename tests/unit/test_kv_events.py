@@ -1,0 +1,121 @@
+"""KV events end to end on loopback, without an engine: vLLM's own ZMQ publisher → the engine
+replica's mirror → a router's EventFeed → the index it routes on."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+
+import pytest
+
+from rayattn.engine.kv_mirror import KVMirror
+from rayattn.routing.cache_view import _ReplicaSink
+from rayattn.routing.kv_events import EventFeed
+from rayattn.routing.prefix_index import EventIndex
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _stored(keys: list[int]):
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=keys, parent_block_hash=None, token_ids=[0] * 4 * len(keys),
+                       block_size=4, lora_id=None, medium="GPU", lora_name=None)
+
+
+@pytest.fixture
+def publisher():
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    pub_port, replay_port = _port(), _port()
+    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
+                            replay_endpoint=f"tcp://*:{replay_port}", topic="kv")
+    yield pub, pub_port, replay_port
+    pub.shutdown()
+
+
+def _send(pub, *events) -> None:
+    from vllm.distributed.kv_events import KVEventBatch
+
+    pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
+
+
+async def _until(cond, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    pub, pub_port, replay_port = publisher
+    mirror = KVMirror(pub_port, replay_port)
+    time.sleep(0.3)  # the mirror subscribes before anything is published, like in a replica
+    _send(pub, _stored([11, 12, 13]))
+    deadline = time.time() + 10
+    while len(mirror) < 3 and time.time() < deadline:
+        time.sleep(0.02)
+    assert mirror.snapshot().keys == [11, 12, 13]
+
+    async def scenario() -> None:
+        index = EventIndex()
+        index.add_replica("e0")
+
+        async def snapshot():
+            return mirror.snapshot()
+
+        feed = EventFeed(f"tcp://127.0.0.1:{pub_port}", _ReplicaSink(index, "e0"), snapshot,
+                         lambda keys: index.reset("e0", keys), "e0")
+        feed.start()
+        # A router that starts late learns what was stored before it from the snapshot.
+        await _until(lambda: index.match([11, 12, 13]) == {"e0": 3})
+
+        _send(pub, _stored([14]), BlockRemoved(block_hashes=[12], medium="GPU"))
+        await _until(lambda: index.match([11, 12, 13, 14]) == {"e0": 1})
+        assert index.size("e0") == 3
+
+        _send(pub, AllBlocksCleared())
+        await _until(lambda: index.size("e0") == 0)
+
+        # Lose a batch: the publisher skips a sequence number. The feed notices the gap and
+        # resynchronises from the mirror instead of trusting a view with a hole in it.
+        _send(pub, _stored([21]))
+        await _until(lambda: index.size("e0") == 1)
+        resyncs = feed.resyncs
+        next(pub._seq_gen)
+        _send(pub, _stored([22]))
+        await _until(lambda: feed.resyncs > resyncs)
+        await _until(lambda: sorted(mirror.snapshot().keys) == [21, 22])
+        await _until(lambda: index.match([21]) == {"e0": 1} and index.size("e0") == 2)
+        feed.stop()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        mirror.close()
+
+
+def test_speculative_overlay_expires_and_yields_to_events():
+    now = [0.0]
+    index = EventIndex(ttl_s=5.0, clock=lambda: now[0])
+    for r in ("a", "b"):
+        index.add_replica(r)
+    index.insert("a", [1, 2])  # the router sent a request carrying blocks 1, 2 to a
+    assert index.match([1, 2, 3]) == {"a": 2} and index.speculative("a") == 2
+    index.stored("a", [1])  # the engine confirmed block 1
+    assert index.speculative("a") == 1 and index.match([1, 2]) == {"a": 2}
+    index.removed("a", [2])  # ...and evicted block 2 before confirming it: gone for good
+    assert index.match([1, 2]) == {"a": 1}
+    index.insert("b", [7])
+    now[0] = 6.0  # never confirmed: the guess expires
+    assert index.match([7]) == {}
+    assert index.match([1]) == {"a": 1}  # truth does not expire
+    index.reset("a", [5])  # a snapshot replaces everything a held
+    assert index.match([1]) == {} and index.match([5]) == {"a": 1}
