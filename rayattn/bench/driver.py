@@ -33,6 +33,10 @@ class Result:
     output_text: str = ""
     predicted_cached_tokens: int = -1
     """What the router predicted (-1: not a rayattn endpoint)."""
+    engine_ttft_s: float | None = None
+    """TTFT inside the engine replica; ttft_s minus this is the serving hops' share."""
+    router_s: float | None = None
+    """The router's own hop: request in → engine call issued."""
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -64,7 +68,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   ttft if ttft is not None else end - t0, end - t0, ext.get("replica", ""),
                   ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
                   output_text="".join(text),
-                  predicted_cached_tokens=ext.get("predicted_cached_tokens", -1))
+                  predicted_cached_tokens=ext.get("predicted_cached_tokens", -1),
+                  engine_ttft_s=ext.get("engine_ttft_s"), router_s=ext.get("router_s"))
 
 
 async def run_workload(url: str | list[str], model: str, workload: Workload,

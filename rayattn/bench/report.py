@@ -31,7 +31,7 @@ def write_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
         w = None
         for key, rows in raw.items():
             for r in rows:
-                row = {"run": key, **{k: v for k, v in r.items() if k != "output_text"}}
+                row = {"series": key, **{k: v for k, v in r.items() if k != "output_text"}}
                 if w is None:
                     w = csv.DictWriter(f, fieldnames=list(row))
                     w.writeheader()

@@ -47,6 +47,8 @@ class Decision:
     reason: str
     predicted_cached_tokens: int
     costs: dict[str, float] = field(default_factory=dict)
+    dispatched_at: float = 0.0
+    """time.perf_counter() when the engine call was issued (the router hop ends there)."""
 
 
 def rendezvous_rank(key: int, replicas: list[str]) -> list[str]:

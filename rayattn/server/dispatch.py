@@ -229,6 +229,7 @@ class Dispatcher:
         prefill_pending = True
         out_tokens: list[int] = []
         handle = self.replicas.replicas[replica].handle
+        d.dispatched_at = time.perf_counter()
         gen = handle.options(stream=True).generate.remote(req)
         try:
             async for chunk in gen:

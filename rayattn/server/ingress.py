@@ -93,6 +93,7 @@ class Ingress:
 
     async def handle(self, request: Request, kind: str) -> Response:
         t0 = time.time()
+        request.state.arrived = time.perf_counter()
         try:
             await self.dispatcher.start()
             body = await self._body(request, ChatCompletionRequest if kind == "chat"
@@ -132,13 +133,14 @@ class Ingress:
             prompt, request.headers.get(self.cfg.router.session_header), text)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(kind, rid, int(t0), greq, route, include_usage),
+            return StreamingResponse(self._sse(kind, rid, int(t0), greq, route, include_usage,
+                                               request.state.arrived),
                                      media_type="text/event-stream")
         return await self._complete(kind, rid, int(t0), greq, route,
-                                    bool(body.return_token_ids))
+                                    bool(body.return_token_ids), request.state.arrived)
 
     async def _complete(self, kind: str, rid: str, created: int, greq: GenerateRequest,
-                        route: Any, return_token_ids: bool = False) -> Response:
+                        route: Any, return_token_ids: bool, arrived: float) -> Response:
         text, last, decision = [], None, None
         token_ids: list[int] = []
         try:
@@ -171,11 +173,11 @@ class Ingress:
         return JSONResponse({
             "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
             "created": created, "model": self.model_name, "choices": [choice],
-            "usage": _usage(last), "rayattn": _ext(last, decision)},
+            "usage": _usage(last), "rayattn": _ext(last, decision, arrived)},
             headers={"x-rayattn-replica": decision.replica})
 
     async def _sse(self, kind: str, rid: str, created: int, greq: GenerateRequest, route: Any,
-                   include_usage: bool) -> AsyncIterator[str]:
+                   include_usage: bool, arrived: float) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         first = True
         last, decision = None, None
@@ -200,7 +202,7 @@ class Ingress:
                     payload = {"id": rid, "object": obj, "created": created,
                                "model": self.model_name, "choices": [choice]}
                     if chunk.finish_reason is not None:
-                        payload["rayattn"] = _ext(chunk, decision)
+                        payload["rayattn"] = _ext(chunk, decision, arrived)
                     yield event(payload)
             if include_usage and last is not None:
                 yield event({"id": rid, "object": obj, "created": created,
@@ -274,8 +276,10 @@ def _usage(last: Any) -> dict:
             "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
 
 
-def _ext(last: Any, d: Decision) -> dict:
+def _ext(last: Any, d: Decision, arrived: float) -> dict:
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason,
             "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
-            "engine_ttft_s": t.get("ttft_s"), "served_by": last.served_by}
+            "engine_ttft_s": t.get("ttft_s"), "served_by": last.served_by,
+            # The router's own hop: request in (after the HTTP proxy) → engine call issued.
+            "router_s": round(d.dispatched_at - arrived, 6) if d.dispatched_at else None}
