@@ -12,6 +12,8 @@ Differences handled here:
     `rayattn_step_metrics_available` gauge reads 0.
   * the flashinfer sampler: vLLM 0.25's sampler imports flashinfer unless
     `VLLM_USE_FLASHINFER_SAMPLER=0`; that is set for GPU engines where flashinfer is missing.
+  * vLLM 0.25's Ray executor probes the same TCPStore port (100) in every TP > 1 engine of a
+    node; each such engine gets its own VLLM_DP_MASTER_PORT window (`tcpstore_port_race`).
   * attention-backend facts (head sizes, block sizes, KV dtypes, sinks) are read from the
     installed vLLM's backend classes where they import (rayattn/backends.py overlays them on
     its static table).
@@ -122,22 +124,55 @@ def flashinfer_available() -> bool:
     return importlib.util.find_spec("flashinfer") is not None
 
 
-def engine_env_defaults(platform: str) -> dict[str, str]:
-    """Environment the engine processes need on this machine, given what is installed."""
+@functools.cache
+def tcpstore_port_race() -> bool:
+    """True where vLLM's Ray executor picks its torch.distributed TCPStore port by probing a
+    window at VLLM_DP_MASTER_PORT + 100 + local DP rank × 32 (vLLM 0.25). Engines started
+    outside vLLM's own DP all have 0 and 0 there, so every TP > 1 engine of a node probes port
+    100 first and two starting together both take it: on 4 × H200, DP2 × TP2 failed with
+    "EADDRINUSE port: 100" and the other engine's TP group hung. vLLM 0.32 binds the store on
+    port 0 instead (no such method)."""
+    try:
+        from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+    except Exception:
+        return False
+    return hasattr(RayExecutorV2, "_select_tcpstore_port")
+
+
+def engine_env_defaults(platform: str, engine_kwargs: dict[str, Any] | None = None
+                        ) -> dict[str, str]:
+    """Environment the engine processes need on this machine, given what is installed and
+    the engine arguments of the plan."""
     env: dict[str, str] = {}
+    kw = engine_kwargs or {}
     if platform in ("cuda", "rocm") and not flashinfer_available():
         # vLLM 0.25's sampler imports flashinfer's backend unless told not to and the engine
         # core then fails to start ("No module named 'flashinfer'"); with 0 it samples with
         # PyTorch.
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+    if (platform != "cpu" and kw.get("distributed_executor_backend") == "ray"
+            and kw.get("data_parallel_size", 1) == 1 and tcpstore_port_race()):
+        # Give this engine its own TCPStore port window (see tcpstore_port_race): a port
+        # the OS has just handed out, so co-located replicas start their probes apart. With
+        # vLLM's own DP (data_parallel_size > 1) the variable is vLLM's and left alone.
+        env["VLLM_DP_MASTER_PORT"] = str(_free_port() - 100)
     return env
 
 
-def apply_engine_env(environ: MutableMapping[str, str], platform: str) -> dict[str, str]:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def apply_engine_env(environ: MutableMapping[str, str], platform: str,
+                     engine_kwargs: dict[str, Any] | None = None) -> dict[str, str]:
     """Set `engine_env_defaults` in `environ` where the user has not set them; returns what
     was set. Call it in the process that starts the engine (its children inherit it)."""
     applied = {}
-    for k, v in engine_env_defaults(platform).items():
+    for k, v in engine_env_defaults(platform, engine_kwargs).items():
         if k not in environ:
             environ[k] = v
             applied[k] = v

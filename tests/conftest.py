@@ -4,10 +4,13 @@ test session; every integration test talks to it over HTTP."""
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import subprocess
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 
@@ -45,6 +48,36 @@ def ray_cluster():
     yield {"metrics_port": metrics_port, "http_port": http_port}
     serve.shutdown()
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def prometheus(ray_cluster, tmp_path_factory):
+    """A real Prometheus scraping Ray's metrics endpoint for the whole session (dashboard
+    queries over [1m] windows need history)."""
+    PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
+    assert PROMETHEUS and PROMTOOL, \
+        "prometheus/promtool not on PATH: run ./scripts/install-prometheus.sh (make test does)"
+    d = tmp_path_factory.mktemp("prom")
+    port = free_port()
+    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
+           "scrape_configs": [{"job_name": "ray", "static_configs": [
+               {"targets": [f"127.0.0.1:{ray_cluster['metrics_port']}"]}]}]}
+    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([PROMETHEUS, f"--config.file={d / 'prometheus.yml'}",
+                             f"--storage.tsdb.path={d / 'data'}",
+                             f"--web.listen-address=127.0.0.1:{port}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(60):
+        try:
+            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    yield url
+    proc.terminate()
+    proc.wait(10)
 
 
 @pytest.fixture(scope="session")

@@ -29,7 +29,8 @@ class EngineReplica:
         # The engine core is a child process: it inherits this environment, including the
         # PYTHONHASHSEED that makes its block hashes match the router's.
         os.environ.update(plan.env)
-        compat.apply_engine_env(os.environ, cfg.platform.kind)  # vLLM-version/install fixes
+        # vLLM-version/install fixes (flashinfer sampler, TCPStore port window)
+        compat.apply_engine_env(os.environ, cfg.platform.kind, plan.engine_kwargs)
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
         # watcher in its own session ends them when this process is gone.
         from rayattn.engine import reaper

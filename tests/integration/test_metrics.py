@@ -15,38 +15,11 @@ import yaml
 from rayattn.bench.driver import run_workload
 from rayattn.bench.workloads import shared_prefix
 from rayattn.metrics.dashboard import all_queries
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.integration
 PROMETHEUS = shutil.which("prometheus")
 PROMTOOL = shutil.which("promtool")
-
-
-@pytest.fixture(scope="module")
-def prometheus(ray_cluster, tmp_path_factory):
-    assert PROMETHEUS and PROMTOOL, \
-        "prometheus/promtool not on PATH: run ./scripts/install-prometheus.sh (make test does)"
-    d = tmp_path_factory.mktemp("prom")
-    port = free_port()
-    cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
-           "scrape_configs": [{"job_name": "ray", "static_configs": [
-               {"targets": [f"127.0.0.1:{ray_cluster['metrics_port']}"]}]}]}
-    (d / "prometheus.yml").write_text(yaml.safe_dump(cfg))
-    proc = subprocess.Popen([PROMETHEUS, f"--config.file={d / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={d / 'data'}",
-                             f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(60):
-        try:
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    yield url
-    proc.terminate()
-    proc.wait(10)
 
 
 def query(prom: str, expr: str) -> list[dict]:
@@ -110,15 +83,19 @@ def test_every_dashboard_and_alert_expression_parses_and_returns_data(server, pr
         httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
             "model": "smollm2", "max_tokens": 4,
             "messages": [{"role": "user", "content": "hello there"}]})
-    time.sleep(4)
-    empty = []
-    for expr in all_queries():
-        # `or vector(0)` keeps panels drawn before a counter first moves; strip it here so a
-        # misnamed metric cannot pass as an all-zero series.
-        concrete = expr.replace(" or vector(0)", "")
-        concrete = concrete.replace("$model", ".*").replace("$replica", ".*")
-        if not query(prometheus, concrete):
-            empty.append(expr)
+    # `or vector(0)` keeps panels drawn before a counter first moves; strip it here so a
+    # misnamed metric cannot pass as an all-zero series.
+    exprs = [e.replace(" or vector(0)", "").replace("$model", ".*").replace("$replica", ".*")
+             for e in all_queries()]
+    deadline = time.time() + 60
+    while True:
+        empty = [e for e in exprs if not query(prometheus, e)]
+        if not empty or time.time() > deadline:
+            break
+        httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+            "model": "smollm2", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello again"}]})
+        time.sleep(2)
     assert not empty, empty
 
 

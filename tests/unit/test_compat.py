@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import types
-
-import pytest
 
 from rayattn import compat
 
@@ -91,21 +90,47 @@ def _replica(platform, engine):
     return types.SimpleNamespace(cfg=cfg, engine=engine)
 
 
-@pytest.mark.asyncio
-async def test_engine_device_info_reports_worker_uuids_once():
+# Plain asyncio.run: these also run where pytest-asyncio is absent (the GPU machine).
+def test_engine_device_info_reports_worker_uuids_once():
     eng = _Engine([{"uuid": "GPU-a", "placement_group": "pg1"},
                    {"uuid": "GPU-b", "placement_group": "pg1"}])
     rep = _replica("cuda", eng)
-    out = await compat.engine_device_info(rep)
+    out = asyncio.run(compat.engine_device_info(rep))
     assert out["devices"] == ["GPU-a", "GPU-b"]
     assert out["worker_placement_groups"] == ["pg1", "pg1"]
-    assert await compat.engine_device_info(rep) is out and eng.calls == 1
+    assert asyncio.run(compat.engine_device_info(rep)) is out and eng.calls == 1
 
 
-@pytest.mark.asyncio
-async def test_engine_device_info_on_cpu_and_on_failure():
+def test_engine_device_info_on_cpu_and_on_failure():
     eng = _Engine(fail=True)
-    assert (await compat.engine_device_info(_replica("cpu", eng)))["devices"] == []
+    assert asyncio.run(compat.engine_device_info(_replica("cpu", eng)))["devices"] == []
     assert eng.calls == 0
-    out = await compat.engine_device_info(_replica("cuda", eng))
+    out = asyncio.run(compat.engine_device_info(_replica("cuda", eng)))
     assert isinstance(out["devices"], list) and eng.calls == 1
+
+
+def test_tcpstore_port_window_per_ray_executor_engine(monkeypatch):
+    """vLLM 0.25: every TP > 1 engine of a node probed TCPStore port 100 (DP2 × TP2 on
+    4 × H200 failed with EADDRINUSE); each such engine gets its own window."""
+    monkeypatch.setattr(compat, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(compat, "tcpstore_port_race", lambda: True)
+    tp2 = {"distributed_executor_backend": "ray", "data_parallel_size": 1}
+    ports = {int(compat.engine_env_defaults("cuda", tp2)["VLLM_DP_MASTER_PORT"])
+             for _ in range(3)}
+    assert all(p > 0 for p in ports)
+    assert compat.engine_env_defaults("cuda", {}) == {}  # TP1: in-process worker
+    assert compat.engine_env_defaults("cpu", tp2) == {}
+    # vLLM's own DP (dp_attention) owns the variable.
+    assert compat.engine_env_defaults("rocm", {**tp2, "data_parallel_size": 8}) == {}
+    env = {"VLLM_DP_MASTER_PORT": "31000"}  # the user's setting wins
+    assert compat.apply_engine_env(env, "cuda", tp2) == {}
+    assert env["VLLM_DP_MASTER_PORT"] == "31000"
+    monkeypatch.setattr(compat, "tcpstore_port_race", lambda: False)
+    assert compat.engine_env_defaults("cuda", tp2) == {}
+
+
+def test_tcpstore_port_race_probe_matches_installed_vllm():
+    from vllm.v1.executor.ray_executor_v2 import RayExecutorV2
+
+    compat.tcpstore_port_race.cache_clear()
+    assert compat.tcpstore_port_race() == hasattr(RayExecutorV2, "_select_tcpstore_port")
