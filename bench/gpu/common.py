@@ -1,0 +1,157 @@
+"""Helpers shared by the GPU scripts of bench/gpu: ports, HTTP waits, nvidia-smi, starting
+rayattn in-process (ray.init + serve.run(build_app(args))), Ray's Prometheus scrape."""
+
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def log(*a: Any) -> None:
+    print(time.strftime("%H:%M:%S"), *a, flush=True)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float, ok=lambda r: r.status_code == 200) -> float:
+    """Poll `url` until `ok(response)`; returns the seconds waited."""
+    import httpx
+
+    t0 = time.time()
+    last: Any = None
+    while time.time() - t0 < timeout:
+        try:
+            r = httpx.get(url, timeout=10)
+            if ok(r):
+                return time.time() - t0
+            last = f"{r.status_code} {r.text[:200]}"
+        except Exception as e:  # not up yet
+            last = repr(e)
+        time.sleep(1)
+    raise TimeoutError(f"{url} not ready after {timeout} s: {last}")
+
+
+def gpus() -> list[dict[str, str]]:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=index,uuid,name,memory.used,memory.total",
+                          "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    rows = [r.split(", ") for r in out.stdout.strip().splitlines()]
+    return [dict(zip(["index", "uuid", "name", "mem_used_mib", "mem_total_mib"], r,
+                     strict=False)) for r in rows]
+
+
+def gpu_processes() -> list[dict[str, str]]:
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,process_name,gpu_uuid,"
+                          "used_memory", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True)
+    rows = [r.split(", ") for r in out.stdout.strip().splitlines() if r.strip()]
+    return [dict(zip(["pid", "name", "gpu_uuid", "mem_mib"], r, strict=False)) for r in rows]
+
+
+def rayattn_args(config: str, model: str | None = None, **over: Any) -> dict:
+    """The `args:` of the first application of a Serve config, with dotted overrides
+    (`parallelism.tensor_parallel_size=2`)."""
+    args = copy.deepcopy(yaml.safe_load((ROOT / config).read_text())["applications"][0]["args"])
+    if model:
+        args["model"]["source"] = model
+    for key, value in over.items():
+        node = args
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return args
+
+
+class RayattnApp:
+    """ray.init + serve.run(build_app(args)) in this process; `url`, `metrics_port`."""
+
+    def __init__(self, args: dict, num_gpus: int, port: int = 8000) -> None:
+        import ray
+        from ray import serve
+
+        from rayattn.app import build_app
+
+        self.metrics_port = free_port()
+        t0 = time.time()
+        ray.init(num_gpus=num_gpus, include_dashboard=False,
+                 _metrics_export_port=self.metrics_port,
+                 _system_config={"metrics_report_interval_ms": 1000})
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        self.url = f"http://127.0.0.1:{port}"
+        serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
+        self.replicas = args["parallelism"].get("data_parallel_size", 1)
+        self.t0 = t0
+
+    def wait(self, timeout: float) -> float:
+        import httpx
+
+        def ok(r: httpx.Response) -> bool:
+            if r.status_code != 200:
+                return False
+            body = r.json()
+            return len(body.get("replicas_up", [])) == self.replicas
+        wait_http(f"{self.url}/health", timeout, ok)
+        return time.time() - self.t0
+
+    def engine_info(self, rank: int) -> dict:
+        """EngineReplica.info() of one rank, called through its Serve handle."""
+        from ray import serve
+
+        h = serve.get_deployment_handle(f"engine-{rank}", app_name="rayattn")
+        return h.info.remote().result(timeout_s=120)
+
+    def scrape(self) -> str:
+        import httpx
+
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=30).text
+
+    def shutdown(self) -> None:
+        import ray
+        from ray import serve
+
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+
+
+def series(text: str, prefix: str) -> dict[str, float]:
+    """Prometheus text lines starting with `prefix` as {line-without-value: value}."""
+    out = {}
+    for ln in text.splitlines():
+        if ln.startswith(prefix):
+            key, _, val = ln.rpartition(" ")
+            try:
+                out[key] = float(val)
+            except ValueError:
+                continue
+    return out
+
+
+def total(values: dict[str, float], *must: str) -> float:
+    return sum(v for k, v in values.items() if all(m in k for m in must))
+
+
+def dump(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=1, default=str))
+    log(f"wrote {path}")
+
+
+def fail(msg: str) -> None:
+    log("FAILED:", msg)
+    sys.stdout.flush()

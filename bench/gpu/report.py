@@ -1,0 +1,199 @@
+"""Tables of docs/gpu.md from what the device calls of bench/gpu/run.sh brought back.
+
+  python3 bench/gpu/report.py --routing DIR/routing.json --backends DIR/backends.json \
+      --placement DIR/placement-dp1-tp2.json [--placement ...] --tokenizer TOKDIR \
+      --out bench/gpu/results
+
+Computes, per routing run, the block oracle (what one infinite vLLM prefix cache could have
+served, requests in the order they ran, prompts rebuilt with the served chat template; the
+same definition as rayattn.bench.driver.oracle, computed with chained block hashes so the
+20 runs take seconds) and hit/oracle; then means over the repeats and the ratios of rayattn
+affinity to each vllm-router policy. Writes routing-summary.json (no per-request texts) and
+prints Markdown tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from collections import defaultdict
+from pathlib import Path
+
+BLOCK = 16
+
+
+def block_oracle(results: list[dict], workload, tok) -> float:
+    """Block-aligned oracle hit rate of one run (see module doc)."""
+    convs = {c.session: c for c in workload.conversations}
+    by_session = defaultdict(list)
+    for r in results:
+        by_session[r["session"]].append(r)
+    seen: set[int] = set()
+    hits = total = 0
+    for r in sorted(results, key=lambda x: x["start_s"]):
+        if r["status"] != 200:
+            continue
+        c = convs[r["session"]]
+        msgs = [{"role": "system", "content": c.system}]
+        for p in sorted((x for x in by_session[r["session"]] if x["turn"] < r["turn"]),
+                        key=lambda x: x["turn"]):
+            msgs += [{"role": "user", "content": c.turns[p["turn"]]},
+                     {"role": "assistant", "content": p["output_text"]}]
+        msgs.append({"role": "user", "content": c.turns[r["turn"]]})
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        ids = tok(text, add_special_tokens=False)["input_ids"]
+        outs = tok(r["output_text"], add_special_tokens=False)["input_ids"]
+        h, matched = 0, 0
+        chain = []
+        for i in range(0, len(ids) // BLOCK * BLOCK, BLOCK):
+            h = hash((h, tuple(ids[i:i + BLOCK])))
+            chain.append(h)
+        for x in chain:
+            if x not in seen:
+                break
+            matched += 1
+        hits += min(matched * BLOCK, (len(ids) - 1) // BLOCK * BLOCK)
+        total += len(ids)
+        full = ids + outs
+        h = 0
+        for i in range(0, len(full) // BLOCK * BLOCK, BLOCK):
+            h = hash((h, tuple(full[i:i + BLOCK])))
+            seen.add(h)
+    return hits / total if total else 0.0
+
+
+def routing(path: Path, tok, out: Path) -> dict:
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from routing import workloads
+
+    rep = json.loads(path.read_text())
+    wls = workloads(rep["args"]["scale"])
+    rows = []
+    for run in rep["runs"]:
+        if "summary" not in run:
+            rows.append({k: run.get(k) for k in ("stack", "policy", "workload", "repeat",
+                                                 "error", "skipped")})
+            continue
+        s = dict(run["summary"])
+        s["oracle_block_hit_rate"] = block_oracle(run["results"], wls[run["workload"]], tok)
+        s["hit_over_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
+        rows.append({"stack": run["stack"], "policy": run["policy"],
+                     "workload": run["workload"], "repeat": run["repeat"], **s})
+    agg: dict = {}
+    keys = ["hit_rate", "oracle_block_hit_rate", "hit_over_oracle", "ttft_p50_s", "ttft_p90_s",
+            "output_tok_per_s", "wall_s", "max_replica_share"]
+    for r in rows:
+        if "hit_rate" not in r:
+            continue
+        a = agg.setdefault((r["workload"], r["stack"], r["policy"]), defaultdict(list))
+        for k in keys:
+            a[k].append(r[k])
+    table = {f"{w}|{s}|{p}": {k: statistics.mean(v) for k, v in a.items()} | {
+        "n": len(a["hit_rate"]), "values": {k: v for k, v in a.items()}}
+        for (w, s, p), a in agg.items()}
+    ratios = {}
+    for w in wls:
+        aff = table.get(f"{w}|rayattn|affinity")
+        peers = {k.split("|")[2]: v for k, v in table.items()
+                 if k.startswith(f"{w}|vllm-router|")}
+        if not aff or not peers:
+            continue
+        best = min(peers, key=lambda p: peers[p]["ttft_p90_s"])
+        ratios[w] = {"best_peer_by_ttft_p90": best, **{p: {
+            "hit_over_oracle": aff["hit_over_oracle"] / v["hit_over_oracle"],
+            "ttft_p50": aff["ttft_p50_s"] / v["ttft_p50_s"],
+            "ttft_p90": aff["ttft_p90_s"] / v["ttft_p90_s"],
+            "output_tok_per_s": aff["output_tok_per_s"] / v["output_tok_per_s"],
+            "wall": aff["wall_s"] / v["wall_s"]} for p, v in peers.items()}}
+    summary = {"rows": rows, "table": table, "ratios": ratios,
+               "checks": rep.get("checks"), "engines": rep.get("engines"),
+               "gpu_processes": rep.get("gpu_processes"), "plan": rep.get("plan"),
+               "peer_command": rep.get("peer_command"), "args": rep.get("args"),
+               "rayattn_startup_s": rep.get("rayattn_startup_s"),
+               "peers_up_s": rep.get("peers_up_s")}
+    (out / "routing-summary.json").write_text(json.dumps(summary, indent=1))
+    print("\n| workload | stack | policy | hit/oracle | hit | oracle | TTFT p50 s | TTFT p90 s |"
+          " output tok/s | wall s | max share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for key, v in table.items():
+        w, s, p = key.split("|")
+        vals = v["values"]
+
+        def both(k: str, fmt: str, vals=vals) -> str:
+            return " / ".join(format(x, fmt) for x in vals[k])
+        print(f"| {w} | {s} | {p} | {both('hit_over_oracle', '.3f')} | "
+              f"{both('hit_rate', '.3f')} | {both('oracle_block_hit_rate', '.3f')} | "
+              f"{both('ttft_p50_s', '.3f')} | {both('ttft_p90_s', '.3f')} | "
+              f"{both('output_tok_per_s', '.0f')} | {both('wall_s', '.1f')} | "
+              f"{both('max_replica_share', '.2f')} |")
+    print("\nratios rayattn affinity / vllm-router policy (means over repeats):")
+    print("| workload | peer policy | hit/oracle | TTFT p50 | TTFT p90 | output tok/s | wall |")
+    print("|---|---|---|---|---|---|---|")
+    for w, r in ratios.items():
+        for p, v in r.items():
+            if p == "best_peer_by_ttft_p90":
+                continue
+            mark = " (best TTFT p90)" if p == r["best_peer_by_ttft_p90"] else ""
+            print(f"| {w} | {p}{mark} | {v['hit_over_oracle']:.3f} | {v['ttft_p50']:.2f} | "
+                  f"{v['ttft_p90']:.2f} | {v['output_tok_per_s']:.2f} | {v['wall']:.2f} |")
+    return summary
+
+
+def backends(path: Path, out: Path) -> dict:
+    res = json.loads(path.read_text())
+    (out / "backends.json").write_text(json.dumps(res, indent=1))
+    print("\n| backend | model | ctx | prefill TTFT ms | extend TTFT ms | extend/prefill |")
+    print("|---|---|---|---|---|---|")
+    for key, r in res.items():
+        if "error" in r:
+            print(f"| {key} | error: {r['error']} |")
+            continue
+        for n in (1024, 8192, 32768):
+            print(f"| {r['backend']} | {r['model_key']} | {n // 1024}k | {r[f'prefill_{n}_ms']} | "
+                  f"{r[f'extend_{n}_ms']} | {r[f'extend_over_prefill_{n}']} |")
+    print("\n| backend | model | start-up s | ITL b1 @1k ms | ITL b1 @32k ms | ITL b16 @1k ms |"
+          " ITL b64 @1k ms | block | KV blocks |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in res.values():
+        if "error" in r:
+            continue
+        print(f"| {r['backend']} | {r['model_key']} | {r['startup_s']} | "
+              f"{r['itl_b1_ctx1024_ms']} | {r['itl_b1_ctx32768_ms']} | "
+              f"{r['itl_b16_ctx1024_ms']} | {r['itl_b64_ctx1024_ms']} | {r['block_size']} | "
+              f"{r['num_gpu_blocks']} |")
+    return res
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--routing")
+    ap.add_argument("--backends")
+    ap.add_argument("--placement", action="append", default=[])
+    ap.add_argument("--tokenizer", default=".gpuwhl/b07/tok")
+    ap.add_argument("--out", default="bench/gpu/results")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.routing:
+        from transformers import AutoTokenizer
+
+        routing(Path(a.routing), AutoTokenizer.from_pretrained(a.tokenizer), out)
+    if a.backends:
+        backends(Path(a.backends), out)
+    for p in a.placement:
+        rep = json.loads(Path(p).read_text())
+        slim = {k: rep.get(k) for k in ("args", "startup_s", "checks", "engines",
+                                        "gpu_processes", "vllm_placement_log", "chats",
+                                        "error")}
+        (out / Path(p).name).write_text(json.dumps(slim, indent=1))
+        print(f"\n{Path(p).name}: startup {rep.get('startup_s')}, error {rep.get('error')}")
+        for k, v in (rep.get("checks") or {}).items():
+            print(f"  {k}: {'PASS' if v.get('pass') else 'FAIL'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
