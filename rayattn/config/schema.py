@@ -197,6 +197,12 @@ class RouterConfig(_Strict):
     """Initial cost per cached context token an extend attends to; refitted online."""
     decode_s_per_request: float = Field(5e-3, ge=0)
     """Cost an in-flight decode adds to a new request's wait."""
+    stream_interval_ms: float = Field(20.0, ge=0)
+    """Streaming: after the first token, output is sent on in chunks at most this often
+    (tokens generated meanwhile are merged). Each chunk is a Ray streaming item through the
+    engine replica, the router and the HTTP proxy, which costs more than a GPU decode step;
+    merging (like Ray Serve LLM's stream batching) keeps the router off the critical path.
+    0 sends every token as it comes."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2
@@ -230,6 +236,9 @@ class ServeSettings(_Strict):
     """Extra Ray actor options for engine replicas (runtime_env, resources, …)."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"
     """How one engine's bundles are placed; STRICT_PACK keeps TP on one node."""
+    graceful_shutdown_timeout_s: float = Field(300, gt=0)
+    """How long a replica that is leaving (redeploy, scale-down, shutdown) lets its
+    in-flight requests finish."""
     health_check_period_s: float = Field(10, gt=0)
     """How often Serve checks each engine replica (engine liveness, not only the actor)."""
 
@@ -248,12 +257,16 @@ class RayAttnConfig(_Strict):
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     """Where the engines run."""
     router: RouterConfig = Field(default_factory=RouterConfig)
-    """The ingress router: policy, thresholds, limits."""
+    """The ingress router: policy, thresholds, limits. Applied live (Serve user_config):
+    changing it restarts no engine and no router replica."""
     serve: ServeSettings = Field(default_factory=ServeSettings)
     """Ray Serve deployment settings."""
 
     @model_validator(mode="after")
     def _events_need_publishers(self) -> RayAttnConfig:
+        # Engines are given the config without its router part: nothing to check there.
+        if "router" not in self.model_fields_set:
+            return self
         if self.router.index == "events" and not (self.engine.kv_events
                                                   and self.engine.enable_prefix_caching):
             raise ValueError("router.index: 'events' needs engine.kv_events and "

@@ -12,6 +12,9 @@ class GenerateRequest:
     prompt_token_ids: list[int]
     sampling: dict[str, Any]
     """Keyword arguments of vllm.SamplingParams (validated by the router)."""
+    stream_interval_s: float = 0.0
+    """After the first token, merge output deltas into one chunk per this interval
+    (infinity: first token, then the rest at the end)."""
 
 
 @dataclass
@@ -27,3 +30,13 @@ class Chunk:
     served_by: dict[str, Any] = field(default_factory=dict)
     """On the final chunk: the engine's own identity (rank name, replica, pid), so clients
     and tests can check where a request really ran, independently of the router."""
+
+    def merge(self, later: Chunk) -> None:
+        """Append a later delta of the same request to this one."""
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        self.finish_reason = later.finish_reason
+        self.num_cached_tokens = later.num_cached_tokens
+        self.completion_tokens = later.completion_tokens
+        self.timings = later.timings or self.timings
+        self.served_by = later.served_by or self.served_by

@@ -137,6 +137,8 @@ class EngineReplica:
         start = time.monotonic()
         first_token_at: float | None = None
         generated = 0
+        pending: Chunk | None = None
+        last_sent: float | None = None
         # Cancellation of this generator (client gone, router timeout) raises CancelledError
         # inside AsyncLLM.generate, which aborts the request in the engine.
         async for out in self.engine.generate(
@@ -162,7 +164,18 @@ class EngineReplica:
                                                     chunk.timings)
                     except Exception:  # metrics must never fail a request
                         log.exception("recording request metrics failed")
-            yield chunk
+            # Every yield is a Ray streaming item through this replica, the router and
+            # the HTTP proxy: per token that costs more than a GPU decode step. The first
+            # token goes at once (TTFT); later deltas are merged until `stream_interval_s`
+            # has passed since the last item (the whole answer at once for non-streaming).
+            if pending is None:
+                pending = chunk
+            else:
+                pending.merge(chunk)
+            now = time.monotonic()
+            if out.finished or last_sent is None or now - last_sent >= req.stream_interval_s:
+                yield pending
+                pending, last_sent = None, now
 
     def _timings(self, out: Any, start: float, first: float | None, generated: int) -> dict:
         now = time.monotonic()

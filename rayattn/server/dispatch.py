@@ -120,6 +120,22 @@ class Dispatcher:
         self.policy = make_policy(self.policy.name, self.view.index, self.load, block_size,
                                   self.cfg.router)
 
+    def apply_router_config(self, rc: Any) -> None:
+        self.admission.limit = rc.max_inflight
+        if rc.index != self.view.mode:
+            for name in list(self.view.feeds):
+                self.view.leave(name)
+            self.view = CacheView(rc.index, rc.speculative_ttl_s)
+            for name in self.live():
+                r = self.replicas.replicas[name]
+                self.view.join(name, r.info, r.handle)
+        # Policies are cheap to build and hold no cache state of their own (the index and
+        # the load do): rebuild so every threshold takes effect.
+        self.policy = make_policy(rc.policy, self.view.index, self.load,
+                                  self.hasher.block_size, rc)
+        if self.metrics is not None and self.metrics.base["policy"] != rc.policy:
+            self.metrics = RouterMetrics(self.cfg.model.name, rc.policy)
+
     async def reset(self, policy: str | None = None) -> str:
         """Cold-start every engine's prefix cache and the router's view; optionally switch
         policy. Used by benchmarks to compare policies on the same engines in one run."""

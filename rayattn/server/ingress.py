@@ -40,6 +40,17 @@ class Ingress:
         names = {f"engine-{i}": h for i, h in enumerate(engines)}
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
 
+    def apply_router_config(self, router: dict[str, Any]) -> None:
+        """New router settings on a running router (Serve's reconfigure): limits and
+        thresholds apply to the next request; a new policy or index mode keeps the engines
+        and their caches (a new index resyncs from the engines)."""
+        from rayattn.config.schema import RouterConfig
+
+        new = RouterConfig.model_validate(router)
+        self.cfg.router = new  # validate_assignment re-checks it against the engine part
+        self.dispatcher.apply_router_config(new)
+        log.info("router settings applied: %s", new.model_dump())
+
     # --- plumbing -----------------------------------------------------------------------
     async def _body(self, request: Request, model_cls: type) -> Any:
         raw = await request.body()
@@ -128,7 +139,9 @@ class Ingress:
             self.dispatcher.admission.release()
             return e.response()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
-        greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens))
+        greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens),
+                               self.cfg.router.stream_interval_ms / 1e3 if body.stream
+                               else float("inf"))
         route = self.dispatcher.route_request(
             prompt, request.headers.get(self.cfg.router.session_header), text)
         if body.stream:
