@@ -67,6 +67,9 @@ class Engine(EngineReplica):
 
 # Serve slots per engine kept free of generation for the routers' control calls.
 CONTROL_HEADROOM = 64
+# Serve's own cap on one router replica: far above any admission limit, because the router
+# answers 429 itself (router.max_inflight, a live setting) before Serve would queue.
+ROUTER_SERVE_CAP = 100_000
 
 
 def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
@@ -112,8 +115,7 @@ def build_app(args: dict[str, Any]) -> Application:
         name="router",
         ray_actor_options={"num_cpus": 0,
                            "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed}}},
-        # The router's own admission limit answers 429 before Serve's queue would hang.
-        max_ongoing_requests=cfg.router.max_inflight + 16,
+        max_ongoing_requests=ROUTER_SERVE_CAP,
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
         user_config=cfg.router.model_dump(mode="json"),
     )
@@ -122,3 +124,15 @@ def build_app(args: dict[str, Any]) -> Application:
     else:
         router_opts["num_replicas"] = cfg.serve.ingress_replicas
     return Router.options(**router_opts).bind(shared, engines)
+
+
+def deploy_config(serve_config: dict[str, Any]) -> None:
+    """Deploy a Serve config file's applications declaratively, as `serve run <file>` and
+    `serve deploy` do, on the Serve instance this process is connected to. Only this path
+    gives Serve's lightweight updates: a changed router `user_config` reconfigures the
+    running routers (imperative `serve.run` gives every deployment a new version)."""
+    from ray.serve._private.api import serve_start
+    from ray.serve.schema import ServeDeploySchema
+
+    schema = ServeDeploySchema.model_validate({"applications": serve_config["applications"]})
+    serve_start().deploy_apps(schema)

@@ -28,9 +28,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_config() -> dict:
+    return yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+
+
 def local_args() -> dict:
-    doc = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    return doc["applications"][0]["args"]
+    """The local app's settings, router included (for routers the tests start themselves)."""
+    from rayattn.config.loader import app_args
+
+    return app_args(local_config()["applications"][0])
 
 
 @pytest.fixture(scope="session")
@@ -82,12 +88,11 @@ def prometheus(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(ray_cluster):
-    from ray import serve
-
-    from rayattn.app import build_app
+    from rayattn.app import deploy_config
 
     t0 = time.time()
-    serve.run(build_app(local_args()), name="rayattn", route_prefix="/", blocking=False)
+    # Declaratively, as `serve run deployments/local.yaml` (make serve) does.
+    deploy_config(local_config())
     url = f"http://127.0.0.1:{ray_cluster['http_port']}"
     wait_healthy(url)
     print(f"\nlocal deployment ready in {time.time() - t0:.1f}s")

@@ -64,7 +64,9 @@ def gpu_processes() -> list[dict[str, str]]:
 def rayattn_args(config: str, model: str | None = None, **over: Any) -> dict:
     """The `args:` of the first application of a Serve config, with dotted overrides
     (`parallelism.tensor_parallel_size=2`)."""
-    args = copy.deepcopy(yaml.safe_load((ROOT / config).read_text())["applications"][0]["args"])
+    from rayattn.config.loader import app_args
+
+    args = copy.deepcopy(app_args(yaml.safe_load((ROOT / config).read_text())["applications"][0]))
     if model:
         args["model"]["source"] = model
     for key, value in over.items():

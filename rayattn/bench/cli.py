@@ -20,15 +20,14 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     import yaml
     from ray import serve
 
-    from rayattn.app import build_app
+    from rayattn.app import deploy_config
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
-    args = yaml.safe_load(Path(config).read_text())["applications"][0]["args"]
     ray.init(num_cpus=4, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
-    serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
+    deploy_config(yaml.safe_load(Path(config).read_text()))
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
     return url, time.time() - t0
@@ -107,11 +106,11 @@ def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict
     import yaml
 
     from rayattn.bench.peer import PeerStack
-    from rayattn.config.loader import parse_args
+    from rayattn.config.loader import rayattn_apps
     from rayattn.config.plan import build_plan
 
-    args = yaml.safe_load(Path(a.config).read_text())["applications"][0]["args"]
-    plan = build_plan(parse_args(args), prepare_model=True)
+    _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
+    plan = build_plan(cfg, prepare_model=True)
     stack = PeerStack(plan, a.peer_port, Path(a.out) / "peer-logs")
     try:
         took = stack.start_engines()

@@ -1,5 +1,13 @@
-"""Read rayattn configs out of Ray Serve config files (the `args:` of each application whose
-import_path is rayattn's app builder)."""
+"""Read rayattn configs out of Ray Serve config files: the `args:` of each application whose
+import_path is rayattn's app builder, plus the router's live settings.
+
+Router settings belong in the `user_config` of the application's `router` deployment
+(`deployments: [{name: router, user_config: {...}}]`): Serve applies a change there to the
+running routers through `reconfigure`. Anything under `args:` is part of the application's
+code version in Serve (a hash of import path, runtime env and args), so changing it
+restarts every replica, engines included. `args.router` is still accepted (it is the
+default the router starts with) but a `user_config` given for the router replaces it, as
+Serve does at run time."""
 
 from __future__ import annotations
 
@@ -12,6 +20,7 @@ from pydantic import ValidationError
 from rayattn.config.schema import RayAttnConfig
 
 APP_IMPORT_PATH = "rayattn.app:build_app"
+ROUTER_DEPLOYMENT = "router"
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -44,8 +53,18 @@ def load_serve_config(path: str | Path) -> dict[str, Any]:
     return data
 
 
+def app_args(app: dict[str, Any]) -> dict[str, Any]:
+    """One Serve application's rayattn settings as the running app sees them: its `args`
+    with `router` taken from the router deployment's `user_config` where one is given."""
+    args = dict(app.get("args") or {})
+    for d in app.get("deployments") or []:
+        if d.get("name") == ROUTER_DEPLOYMENT and d.get("user_config") is not None:
+            args["router"] = d["user_config"]
+    return args
+
+
 def rayattn_apps(serve_config: dict[str, Any]) -> list[tuple[str, RayAttnConfig]]:
     apps = [a for a in serve_config["applications"] if a.get("import_path") == APP_IMPORT_PATH]
     if not apps:
         raise ConfigError(f"no application with import_path {APP_IMPORT_PATH!r}")
-    return [(a.get("name", "default"), parse_args(a.get("args") or {})) for a in apps]
+    return [(a.get("name", "default"), parse_args(app_args(a))) for a in apps]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -264,6 +265,8 @@ class Ingress:
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
                 "reason": None if live else self._not_ready().message,
                 "replicas": len(d.replicas.replicas), "policy": d.policy.name,
+                "router_pid": os.getpid(),
+                "limits": {"max_inflight": d.admission.limit},
                 "index": d.view.mode,
                 "counts": {**d.counts, "admitted_now": d.admission.inflight,
                            "admitted_peak": d.admission.peak},

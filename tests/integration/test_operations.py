@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import local_args
+from tests.conftest import local_config
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2"
@@ -56,21 +56,27 @@ def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=30).json()
 
 
-def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
-    from ray import serve
+def _router_settings(cfg: dict) -> dict:
+    return next(d for d in cfg["applications"][0]["deployments"]
+                if d["name"] == "router")["user_config"]
 
-    from rayattn.app import build_app
+
+def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
+    """A changed router user_config in the Serve config (what `serve deploy` sends) reaches
+    the running routers: no engine restarts, no request fails."""
+    from rayattn.app import deploy_config
 
     before = _health(server)
     pids = {n: e["pid"] for n, e in before["engines"].items()}
-    args = local_args()
-    changed = copy.deepcopy(args)
-    changed["router"].update(policy="round_robin", max_inflight=100)
+    router_pid = before["router_pid"]
+    cfg = local_config()
+    changed = copy.deepcopy(cfg)
+    _router_settings(changed).update(policy="round_robin", max_inflight=100)
     try:
         with Load(server) as load:
             time.sleep(3)
             t0 = time.time()
-            serve.run(build_app(changed), name="rayattn", route_prefix="/", blocking=False)
+            deploy_config(changed)
             while _health(server)["policy"] != "round_robin":
                 assert time.time() - t0 < 60, "new router settings never applied"
                 time.sleep(0.5)
@@ -78,14 +84,19 @@ def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
             time.sleep(3)
         during = _health(server)
     finally:
-        serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
+        deploy_config(cfg)
     print(f"\nreconfigure: {len(load.codes)} requests, {load.codes.count(200)} ok, "
           f"applied after {applied:.1f}s")
     assert load.codes and load.codes.count(200) == len(load.codes), load.codes
+    assert during["limits"]["max_inflight"] == 100
+    # Same engine and router processes, engine caches kept.
     assert {n: e["pid"] for n, e in during["engines"].items()} == pids
+    assert during["router_pid"] == router_pid
     assert all(e["cache_view"]["blocks"] > 0 for e in during["engines"].values())
     deadline = time.time() + 60
     while _health(server)["policy"] != "affinity":
         assert time.time() < deadline
         time.sleep(0.5)
-    assert {n: e["pid"] for n, e in _health(server)["engines"].items()} == pids
+    after = _health(server)
+    assert after["limits"]["max_inflight"] == 128
+    assert {n: e["pid"] for n, e in after["engines"].items()} == pids
