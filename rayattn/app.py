@@ -96,6 +96,7 @@ def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
         placement_group_strategy=plan.strategy,
         ray_actor_options=actor,
         health_check_period_s=cfg.serve.health_check_period_s,
+        logging_config={"enable_access_log": cfg.serve.access_log},
         health_check_timeout_s=max(30.0, cfg.serve.health_check_period_s * 3),
         # Let in-flight generations finish on scale-down or redeploy.
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
@@ -117,6 +118,7 @@ def build_app(args: dict[str, Any]) -> Application:
                            "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed}}},
         max_ongoing_requests=ROUTER_SERVE_CAP,
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
+        logging_config={"enable_access_log": cfg.serve.access_log},
         user_config=cfg.router.model_dump(mode="json"),
     )
     if cfg.serve.ingress_autoscaling:

@@ -79,10 +79,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
             print(f"local deployment up in {startup:.1f}s at {url}")
 
         def rayattn_policy(pol: str) -> None:
-            r = httpx.post(f"{url}/admin/reset", json={"policy": pol}, timeout=60)
+            # "affinity@predicted": policy and index mode, both switched live.
+            policy, _, index = pol.partition("@")
+            r = httpx.post(f"{url}/admin/reset", json={"policy": policy, "index": index or None},
+                           timeout=60)
             r.raise_for_status()
 
-        run_matrix("rayattn", url, a.model, workloads, a.policies.split(","), rayattn_policy,
+        policies = a.policies.split(",")
+        if a.index:
+            policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
+        run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
                    a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
         if a.target is None and a.peer:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
@@ -257,6 +263,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="Serve config whose engines both stacks use")
     b.add_argument("--policies", default=",".join(POLICIES),
                    help="rayattn policies (empty: peer only)")
+    b.add_argument("--index", help="router index modes to compare, e.g. events,predicted "
+                                   "(default: the deployment's)")
     b.add_argument("--peer", choices=["vllm-router"],
                    help="also run vllm-router in front of `vllm serve` engines with the same "
                         "engine settings, after rayattn, in the same run")

@@ -8,7 +8,10 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ["hit_rate", "oracle_block_hit_rate", "hit_vs_block_oracle", "ttft_p50_s",
-           "ttft_p90_s", "output_tok_per_s", "max_replica_share"]
+           "ttft_p90_s", "output_tok_per_s", "wall_s", "max_replica_share"]
+# With --peer: each row against the peer's best policy in the same run.
+RATIO_COLUMNS = ["vs_peer", "wall_ratio", "ttft_p90_ratio", "later_ttft_p90_ratio",
+                 "throughput_ratio"]
 
 
 def markdown(table: dict[str, dict[str, dict[str, Any]]], columns: list[str]) -> str:
@@ -26,7 +29,8 @@ def write_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
     """Real-engine comparison: table.json/md, per-request CSV, plots."""
     out.mkdir(parents=True, exist_ok=True)
     (out / "policies.json").write_text(json.dumps(table, indent=2))
-    (out / "policies.md").write_text(markdown(table, COLUMNS))
+    peer = any("wall_ratio" in r for rows in table.values() for r in rows.values())
+    (out / "policies.md").write_text(markdown(table, COLUMNS + (RATIO_COLUMNS if peer else [])))
     with open(out / "requests.csv", "w", newline="") as f:
         w = None
         for key, rows in raw.items():

@@ -241,6 +241,15 @@ class ServeSettings(_Strict):
     in-flight requests finish."""
     health_check_period_s: float = Field(10, gt=0)
     """How often Serve checks each engine replica (engine liveness, not only the actor)."""
+    access_log: bool = False
+    """Serve's access log line for every call to a router or engine replica (each generation,
+    each probe). Off by default: on a loaded router the log writes cost CPU on the request
+    path; rayattn's own metrics and warnings are logged either way."""
+    engine_transport: Literal["grpc", "actor"] = "grpc"
+    """How the router calls engine replicas. `grpc`: Serve's direct replica-to-replica gRPC
+    channel (`_by_reference=False`), one message per streamed chunk on a persistent
+    connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
+    is a Ray object with an ownership round trip (slower per chunk)."""
 
 
 class RayAttnConfig(_Strict):

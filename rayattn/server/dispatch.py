@@ -246,7 +246,7 @@ class Dispatcher:
         out_tokens: list[int] = []
         handle = self.replicas.replicas[replica].handle
         d.dispatched_at = time.perf_counter()
-        gen = handle.options(stream=True).generate.remote(req)
+        gen = self._stream_handle(handle).generate.remote(req)
         try:
             async for chunk in gen:
                 if prefill_pending:
@@ -261,6 +261,14 @@ class Dispatcher:
             # cancelled (aborted in vLLM) and the replica's load released.
             gen.cancel()
             self.load.release(replica, uncached if prefill_pending else 0, epoch)
+
+    def _stream_handle(self, handle: Any) -> Any:
+        if self.cfg.serve.engine_transport == "grpc":
+            # Chunks are plain dataclasses of this package: the standard pickle is enough.
+            return handle.options(stream=True, _by_reference=False,
+                                  request_serialization="pickle",
+                                  response_serialization="pickle")
+        return handle.options(stream=True)
 
     def _learn(self, d: Decision, route: RouteRequest, req: GenerateRequest, last: Chunk,
                out_tokens: list[int]) -> None:

@@ -240,10 +240,17 @@ class Ingress:
         await self.dispatcher.start()
         try:
             data = json.loads(await request.body() or b"{}")
+            if data.get("index"):
+                # Same path as a live router setting: a new index resyncs from the engines.
+                self.apply_router_config({**self.cfg.router.model_dump(),
+                                          "index": data["index"]})
             policy = await self.dispatcher.reset(data.get("policy"))
+        except ValidationError as e:
+            return from_validation(e).response()
         except ValueError as e:
             return APIError(400, str(e), param="policy").response()
-        return JSONResponse({"policy": policy, "replicas_up": self.dispatcher.live()})
+        return JSONResponse({"policy": policy, "index": self.dispatcher.view.mode,
+                             "replicas_up": self.dispatcher.live()})
 
     async def models(self) -> Response:
         await self.dispatcher.start()

@@ -146,3 +146,25 @@ def test_probes_under_saturation_never_mark_a_replica_down(server):
     assert all(len(s) == 2 for s in samples), samples
     assert all(e["downs"] == before["engines"][k]["downs"]
                for k, e in after["engines"].items())
+
+
+def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset, tokenizer):
+    """`predicted` (the router's own LRU guess) and back to `events`, on the running router:
+    each mode serves a multi-turn run whose later turns find their history."""
+    try:
+        for mode in ("predicted", "events"):
+            r = httpx.post(f"{server}/admin/reset", json={"policy": "affinity", "index": mode},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["index"] == mode, r.text
+            assert health(server)["index"] == mode
+            wl = multi_turn(conversations=4, turns=3, shared_systems=4, system_words=120,
+                            seed=21 if mode == "predicted" else 22)
+            res, _ = asyncio.run(run_workload(server, MODEL, wl, concurrency=4))
+            later = [x for x in res if x.turn > 0]
+            assert all(x.status == 200 for x in res)
+            assert all(x.cached_tokens > 0 for x in later), [x.cached_tokens for x in later]
+        bad = httpx.post(f"{server}/admin/reset", json={"index": "guess"}, timeout=60)
+        assert bad.status_code == 400 and "index" in bad.text, bad.text
+        assert health(server)["index"] == "events"
+    finally:
+        httpx.post(f"{server}/admin/reset", json={"index": "events"}, timeout=60)

@@ -21,8 +21,14 @@ ROOT = Path(__file__).resolve().parents[2]
 _CRDS = os.environ.get("RAYATTN_KUBERAY_CRDS")
 SHARED = Path(_CRDS) if _CRDS else None
 needs_crds = pytest.mark.skipif(
-    SHARED is None or not SHARED.is_dir(),
-    reason="RAYATTN_KUBERAY_CRDS (a directory of KubeRay CRD YAMLs) is not set")
+    SHARED is None, reason="RAYATTN_KUBERAY_CRDS (a directory of KubeRay CRD YAMLs) is not set")
+
+
+def test_crd_directory_exists_where_set():
+    # Set but wrong must fail loudly, not skip: CI would otherwise pass without the check.
+    if SHARED is None:
+        pytest.skip("RAYATTN_KUBERAY_CRDS is not set")
+    assert SHARED.is_dir(), f"RAYATTN_KUBERAY_CRDS={SHARED} is not a directory"
 K8S_VERSION = "1.33.0"
 
 
