@@ -70,6 +70,13 @@ CONTROL_HEADROOM = 64
 # Serve's own cap on one router replica: far above any admission limit, because the router
 # answers 429 itself (router.max_inflight, a live setting) before Serve would queue.
 ROUTER_SERVE_CAP = 100_000
+# Ray Serve runs a replica's user code on a second event loop in another thread, and its
+# handles' routing on a third, by default; every request and every streamed chunk then
+# crosses threads. The router is all asyncio (nothing blocks its loop for long: templating
+# runs in a worker thread), so it runs on the replica's main loop. Engines keep the
+# default: vLLM's output handling must not stall Serve's health checks.
+ROUTER_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
+                    "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
 def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
@@ -115,7 +122,8 @@ def build_app(args: dict[str, Any]) -> Application:
     router_opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
-                           "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed}}},
+                           "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed,
+                                                        **ROUTER_SERVE_ENV}}},
         max_ongoing_requests=ROUTER_SERVE_CAP,
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
         logging_config={"enable_access_log": cfg.serve.access_log},
@@ -130,7 +138,9 @@ def build_app(args: dict[str, Any]) -> Application:
 
 def deploy_config(serve_config: dict[str, Any]) -> None:
     """Deploy a Serve config file's applications declaratively, as `serve run <file>` and
-    `serve deploy` do, on the Serve instance this process is connected to. Only this path
+    `serve deploy` do (its `applications`; the cluster-level keys such as http_options
+    belong to whoever started Serve), on the Serve instance this process is connected to.
+    Only this path
     gives Serve's lightweight updates: a changed router `user_config` reconfigures the
     running routers (imperative `serve.run` gives every deployment a new version)."""
     from ray.serve._private.api import serve_start
@@ -138,3 +148,23 @@ def deploy_config(serve_config: dict[str, Any]) -> None:
 
     schema = ServeDeploySchema.model_validate({"applications": serve_config["applications"]})
     serve_start().deploy_apps(schema)
+
+
+def wait_running(app_name: str, timeout_s: float = 600) -> None:
+    """Block until Serve reports the application RUNNING; raise with Serve's message if its
+    build or deployment failed (a config error would otherwise look like a slow start)."""
+    import time
+
+    from ray import serve
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        app = serve.status().applications.get(app_name)
+        status = str(app.status) if app else "NOT_STARTED"
+        if status.endswith("RUNNING"):
+            return
+        if status.endswith("DEPLOY_FAILED"):
+            raise RuntimeError(f"Serve application {app_name!r} failed: {app.message}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Serve application {app_name!r} still {status}")
+        time.sleep(1)

@@ -39,6 +39,35 @@ def local_args() -> dict:
     return app_args(local_config()["applications"][0])
 
 
+def still_running(pids: list[int], until: float) -> list[int]:
+    """Which of `pids` still run (zombies count as gone) once `until` passes, or earlier
+    when all are gone."""
+    import psutil
+
+    def running(p: int) -> bool:
+        try:
+            return psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+    while True:
+        left = [p for p in pids if running(p)]
+        if not left or time.time() >= until:
+            return left
+        time.sleep(0.5)
+
+
+def vllm_processes() -> list[int]:
+    """vLLM engine processes (VLLM::EngineCore, VLLM::Worker) on this machine."""
+    import psutil
+
+    out = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("VLLM::"):
+            out.append(p.info["pid"])
+    return out
+
+
 @pytest.fixture(scope="session")
 def ray_cluster():
     import ray
@@ -51,9 +80,14 @@ def ray_cluster():
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+    before = set(vllm_processes())  # someone else's, if any: not ours to judge
     yield {"metrics_port": metrics_port, "http_port": http_port}
+    ours = [p for p in vllm_processes() if p not in before]
     serve.shutdown()
     ray.shutdown()
+    # Stopping Serve and Ray must not leave engine processes behind (issue 11).
+    left = still_running(ours, until=time.time() + 30)
+    assert not left, f"vLLM engine processes outlived serve.shutdown + ray.shutdown: {left}"
 
 
 @pytest.fixture(scope="session")
@@ -88,11 +122,12 @@ def prometheus(ray_cluster, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def server(ray_cluster):
-    from rayattn.app import deploy_config
+    from rayattn.app import deploy_config, wait_running
 
     t0 = time.time()
     # Declaratively, as `serve run deployments/local.yaml` (make serve) does.
     deploy_config(local_config())
+    wait_running("rayattn")
     url = f"http://127.0.0.1:{ray_cluster['http_port']}"
     wait_healthy(url)
     print(f"\nlocal deployment ready in {time.time() - t0:.1f}s")

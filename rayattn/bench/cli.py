@@ -20,14 +20,16 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     import yaml
     from ray import serve
 
-    from rayattn.app import deploy_config
+    from rayattn.app import deploy_config, wait_running
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
     ray.init(num_cpus=4, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
-    deploy_config(yaml.safe_load(Path(config).read_text()))
+    serve_config = yaml.safe_load(Path(config).read_text())
+    deploy_config(serve_config)
+    wait_running(serve_config["applications"][0]["name"])
     url = f"http://127.0.0.1:{port}"
     wait_healthy(url)
     return url, time.time() - t0
@@ -264,7 +266,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--policies", default=",".join(POLICIES),
                    help="rayattn policies (empty: peer only)")
     b.add_argument("--index", help="router index modes to compare, e.g. events,predicted "
-                                   "(default: the deployment's)")
+                                   "(default: leave the router's index as it is)")
     b.add_argument("--peer", choices=["vllm-router"],
                    help="also run vllm-router in front of `vllm serve` engines with the same "
                         "engine settings, after rayattn, in the same run")

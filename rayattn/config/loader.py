@@ -57,6 +57,9 @@ def app_args(app: dict[str, Any]) -> dict[str, Any]:
     """One Serve application's rayattn settings as the running app sees them: its `args`
     with `router` taken from the router deployment's `user_config` where one is given."""
     args = dict(app.get("args") or {})
+    # Always present, so checks between the router and the engines run (the router applies
+    # its defaults whether or not settings are given).
+    args["router"] = args.get("router") or {}
     for d in app.get("deployments") or []:
         if d.get("name") == ROUTER_DEPLOYMENT and d.get("user_config") is not None:
             args["router"] = d["user_config"]

@@ -199,10 +199,15 @@ class RouterConfig(_Strict):
     """Cost an in-flight decode adds to a new request's wait."""
     stream_interval_ms: float = Field(20.0, ge=0)
     """Streaming: after the first token, output is sent on in chunks at most this often
-    (tokens generated meanwhile are merged). Each chunk is a Ray streaming item through the
-    engine replica, the router and the HTTP proxy, which costs more than a GPU decode step;
+    (tokens generated meanwhile are merged). Each chunk is one message through the engine
+    replica, the router and the HTTP proxy, which costs more than a GPU decode step;
     merging (like Ray Serve LLM's stream batching) keeps the router off the critical path.
     0 sends every token as it comes."""
+    engine_transport: Literal["grpc", "actor"] = "grpc"
+    """How the router calls engine replicas. `grpc`: Serve's direct replica-to-replica gRPC
+    channel (`_by_reference=False`), one message per streamed chunk on a persistent
+    connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
+    is a Ray object with an ownership round trip (slower per chunk)."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2
@@ -245,15 +250,11 @@ class ServeSettings(_Strict):
     """Serve's access log line for every call to a router or engine replica (each generation,
     each probe). Off by default: on a loaded router the log writes cost CPU on the request
     path; rayattn's own metrics and warnings are logged either way."""
-    engine_transport: Literal["grpc", "actor"] = "grpc"
-    """How the router calls engine replicas. `grpc`: Serve's direct replica-to-replica gRPC
-    channel (`_by_reference=False`), one message per streamed chunk on a persistent
-    connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
-    is a Ray object with an ownership round trip (slower per chunk)."""
 
 
 class RayAttnConfig(_Strict):
-    """Root of the `args:` of a rayattn Serve application."""
+    """Root of a rayattn Serve application's settings: its `args:`, with `router` taken from
+    the router deployment's `user_config` where the Serve config gives one."""
 
     model: ModelConfig
     """Which model to serve and how to load it."""
@@ -266,8 +267,10 @@ class RayAttnConfig(_Strict):
     platform: PlatformConfig = Field(default_factory=PlatformConfig)
     """Where the engines run."""
     router: RouterConfig = Field(default_factory=RouterConfig)
-    """The ingress router: policy, thresholds, limits. Applied live (Serve user_config):
-    changing it restarts no engine and no router replica."""
+    """The ingress router: policy, thresholds, limits. Put it in the Serve config as the
+    `router` deployment's `user_config`: a change there is applied live (reconfigure) and
+    restarts nothing. Under `args` it is only the starting value (args are Serve's code
+    version: changing them restarts every replica)."""
     serve: ServeSettings = Field(default_factory=ServeSettings)
     """Ray Serve deployment settings."""
 

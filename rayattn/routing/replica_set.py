@@ -32,6 +32,13 @@ def engine_dead(e: BaseException) -> bool:
     """True when `e` says the engine replica is gone (not that one request was bad)."""
     if isinstance(e, REPLICA_DEAD):
         return True
+    # gRPC transport: Serve maps only UNAVAILABLE to ActorUnavailableError; a replica shutting
+    # down or a reset stream surfaces as the raw RPC error. Errors about the request itself
+    # arrive as the engine's own exception, never as an RPC error.
+    import grpc
+
+    if isinstance(e, grpc.aio.AioRpcError):
+        return True
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
     except Exception:  # pragma: no cover - vLLM layout differs

@@ -263,7 +263,7 @@ class Dispatcher:
             self.load.release(replica, uncached if prefill_pending else 0, epoch)
 
     def _stream_handle(self, handle: Any) -> Any:
-        if self.cfg.serve.engine_transport == "grpc":
+        if self.cfg.router.engine_transport == "grpc":
             # Chunks are plain dataclasses of this package: the standard pickle is enough.
             return handle.options(stream=True, _by_reference=False,
                                   request_serialization="pickle",

@@ -238,17 +238,28 @@ class Ingress:
         if not self.cfg.router.admin_api:
             return APIError(404, "admin API disabled (router.admin_api)").response()
         await self.dispatcher.start()
+        from rayattn.config.schema import RouterConfig
+
+        d = self.dispatcher
         try:
             data = json.loads(await request.body() or b"{}")
-            if data.get("index"):
+            if not isinstance(data, dict):
+                raise APIError(400, "request body must be a JSON object")
+            # Validate everything before changing anything; unnamed settings stay as they are.
+            current = {**self.cfg.router.model_dump(), "policy": d.policy.name,
+                       "index": d.view.mode}
+            want = RouterConfig.model_validate(
+                {**current, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
+            if want.index != current["index"]:
                 # Same path as a live router setting: a new index resyncs from the engines.
-                self.apply_router_config({**self.cfg.router.model_dump(),
-                                          "index": data["index"]})
-            policy = await self.dispatcher.reset(data.get("policy"))
+                self.apply_router_config(want.model_dump())
+            policy = await d.reset(want.policy)
+        except APIError as e:
+            return e.response()
         except ValidationError as e:
             return from_validation(e).response()
         except ValueError as e:
-            return APIError(400, str(e), param="policy").response()
+            return APIError(400, str(e)).response()
         return JSONResponse({"policy": policy, "index": self.dispatcher.view.mode,
                              "replicas_up": self.dispatcher.live()})
 

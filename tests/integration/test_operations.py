@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from tests.conftest import local_config
+from tests.conftest import local_config, still_running
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2"
@@ -100,3 +100,43 @@ def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
     after = _health(server)
     assert after["limits"]["max_inflight"] == 128
     assert {n: e["pid"] for n, e in after["engines"].items()} == pids
+
+
+@pytest.mark.disruptive
+def test_engine_setting_change_replaces_engines_and_leaves_no_process(ray_cluster, server):
+    """An engine setting is part of the app's code version: Serve replaces the engine
+    replicas. The old replicas' vLLM processes must be gone within 30 s of the new ones
+    serving (a leftover engine would hold its GPU)."""
+    from rayattn.app import deploy_config
+
+    before = _health(server)["engines"]
+    old_engine_pids = [p for e in before.values() for p in e["engine_pids"]]
+    assert old_engine_pids
+    cfg = local_config()
+    changed = copy.deepcopy(cfg)
+    changed["applications"][0]["args"]["engine"]["max_num_seqs"] = 24
+
+    def replaced(old: dict) -> dict:
+        deadline = time.time() + 300
+        while time.time() < deadline:
+            try:
+                h = _health(server)
+                engines = h["engines"]
+                if (len(h["replicas_up"]) == len(old) and
+                        all(engines[n]["pid"] != old[n]["pid"] for n in old)):
+                    return engines
+            except (httpx.HTTPError, ValueError, KeyError):
+                pass  # the router itself is being replaced too
+            time.sleep(1)
+        raise AssertionError("engine replicas were not replaced")
+
+    try:
+        deploy_config(changed)
+        new = replaced(before)
+        done = time.time()
+        left = still_running(old_engine_pids, until=done + 30)
+        assert not left, f"old engine processes still running 30 s later: {left}"
+        assert all(e["engine_pids"] for e in new.values())
+    finally:
+        deploy_config(cfg)
+        replaced(new if "new" in locals() else before)

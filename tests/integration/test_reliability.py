@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rayattn.bench.cli import wait_healthy
-from tests.conftest import local_args
+from tests.conftest import local_args, still_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.disruptive]
 MODEL = "smollm2"
@@ -172,7 +172,7 @@ def test_replica_killed_under_load_loses_nothing(server):
     served = {r.headers["x-rayattn-replica"] for r in ok}
     assert "engine-0" in served
     # The killed replica's engine processes do not outlive it (30 s from the kill).
-    left = _alive(engine_pids, until=killed["at"] + 30)
+    left = still_running(engine_pids, until=killed["at"] + 30)
     assert not left, f"engine processes of the killed replica still running: {left}"
 
     # Serve restarts the replica; the router takes it back (new PID) and routes to it again.
@@ -192,23 +192,6 @@ def test_replica_killed_under_load_loses_nothing(server):
         assert r.status_code == 200
         later.add(r.headers["x-rayattn-replica"])
     assert victim in later
-
-
-def _alive(pids: list[int], until: float) -> list[int]:
-    """Which of `pids` still run (zombies count as gone) once `until` passes, or earlier
-    when all are gone."""
-    import psutil
-
-    def running(p: int) -> bool:
-        try:
-            return psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        except psutil.Error:
-            return False
-    while True:
-        left = [p for p in pids if running(p)]
-        if not left or time.time() >= until:
-            return left
-        time.sleep(0.5)
 
 
 def test_streaming_request_on_dying_replica_ends_with_error_event(server):
