@@ -9,55 +9,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from ray import serve
 from ray.serve import Application
-from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import Plan, build_plan
 from rayattn.engine.replica import EngineReplica
-from rayattn.server.errors import APIError
-from rayattn.server.ingress import Ingress, app
-
-
-@app.exception_handler(StarletteHTTPException)
-async def _http_error(request: Request, exc: StarletteHTTPException):
-    return APIError(exc.status_code, str(exc.detail)).response()
-
-
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError):
-    return APIError(400, str(exc.errors()[:3])).response()
-
-
-@serve.deployment
-@serve.ingress(app)
-class Router(Ingress):
-    @app.post("/v1/chat/completions")
-    async def chat_completions(self, request: Request):
-        return await self.handle(request, "chat")
-
-    @app.post("/v1/completions")
-    async def completions(self, request: Request):
-        return await self.handle(request, "completion")
-
-    @app.get("/v1/models")
-    async def list_models(self):
-        return await self.models()
-
-    @app.post("/admin/reset")
-    async def reset(self, request: Request):
-        return await self.admin_reset(request)
-
-    @app.get("/health")
-    async def health_check(self):
-        return await self.health()
-
-    async def reconfigure(self, router: dict[str, Any]) -> None:
-        # async: Serve then runs it on the replica's event loop, where the KV feeds live.
-        self.apply_router_config(router)
+from rayattn.server.api import Router
 
 
 @serve.deployment

@@ -218,6 +218,20 @@ class RouterConfig(_Strict):
     """Upper bound on one request; the engine request is aborted when it passes."""
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest accepted request body (413 beyond)."""
+    api_keys_env: str | None = None
+    """Name of an environment variable of the router processes that holds the accepted API
+    keys, comma-separated. Set: every route but /health needs `Authorization: Bearer <key>`
+    (401 with an OpenAI error body otherwise). Keys never go in this config: the manifests of
+    `rayattn render-k8s` fill RAYATTN_API_KEYS from the Secret `rayattn-api-keys`; locally,
+    export the variable before `serve run`. A named variable that is empty fails the
+    deployment (never an open router by accident)."""
+    admin_keys_env: str | None = None
+    """Like `api_keys_env`, for the admin API (`admin_api`); an API key does not open it. With
+    `api_keys_env` set and this unset, the admin API refuses every call."""
+    log_requests: bool = False
+    """One INFO log line per request on the router (request id, replica, route reason, prompt
+    and predicted cached tokens) and on the engine (request id, path, cached tokens, TTFT),
+    so one request can be followed end to end by its id."""
     admin_api: bool = False
     """Expose POST /admin/reset (clear engine prefix caches and the index, switch policy) so
     one benchmark run can compare policies on the same engines. Keep off in production."""

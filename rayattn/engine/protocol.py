@@ -15,6 +15,8 @@ class GenerateRequest:
     stream_interval_s: float = 0.0
     """After the first token, merge output deltas into one chunk per this interval
     (infinity: first token, then the rest at the end)."""
+    log: bool = False
+    """Log one line for this request on the engine (router.log_requests)."""
 
 
 @dataclass

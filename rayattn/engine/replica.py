@@ -24,6 +24,9 @@ log = logging.getLogger("rayattn.engine")
 
 class EngineReplica:
     def __init__(self, args: dict[str, Any], rank: int, metrics_enabled: bool = True) -> None:
+        from rayattn import logs
+
+        logs.setup()
         cfg = parse_args(args)
         plan = build_plan(cfg, prepare_model=True)
         # The engine core is a child process: it inherits this environment, including the
@@ -157,6 +160,12 @@ class EngineReplica:
                 chunk.timings = self._timings(out, start, first_token_at, generated)
                 chunk.served_by = {"engine": f"engine-{self.rank}",
                                    "replica": self.replica_id, "pid": os.getpid()}
+                if req.log:
+                    t = chunk.timings
+                    log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, "
+                             "ttft %.3fs, e2e %.3fs, finish %s", req.request_id, t["path"],
+                             chunk.prompt_tokens, chunk.num_cached_tokens, generated,
+                             t["ttft_s"], t["e2e_s"], chunk.finish_reason)
                 if self.metrics is not None:
                     try:
                         self.metrics.record_request(chunk.timings["path"], chunk.prompt_tokens,

@@ -38,6 +38,9 @@ def worker_nodes(plan: Plan) -> int:
     return math.ceil(plan.replicas / replicas_per_node)
 
 
+API_KEYS_SECRET = "rayattn-api-keys"
+
+
 def _env(plan: Plan) -> list[dict[str, Any]]:
     env = [{"name": k, "value": v} for k, v in sorted(plan.env.items())]
     env += [
@@ -45,6 +48,13 @@ def _env(plan: Plan) -> list[dict[str, Any]]:
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": "hf-token", "key": "token", "optional": True}}},
         {"name": "HF_HOME", "value": MODEL_CACHE},
+        # The router's API keys (router.api_keys_env / admin_keys_env name these variables).
+        # Optional here so the pod starts; a router that needs a missing key refuses to
+        # deploy rather than serving openly.
+        *({"name": var, "valueFrom": {"secretKeyRef": {
+            "name": API_KEYS_SECRET, "key": key, "optional": True}}}
+          for var, key in (("RAYATTN_API_KEYS", "api-keys"),
+                           ("RAYATTN_ADMIN_KEYS", "admin-keys"))),
     ]
     return env
 

@@ -187,6 +187,10 @@ class Dispatcher:
                 candidates = await self._candidates(tried)
                 d = self.policy.choose(route, candidates)
                 tried.add(d.replica)
+                if req.log:
+                    log.info("request %s -> %s (%s; prompt %d tokens, %d predicted cached; "
+                             "attempt %d)", req.request_id, d.replica, d.reason,
+                             route.prompt_tokens, d.predicted_cached_tokens, attempt + 1)
                 if self.metrics is not None:
                     self.metrics.decision(d.reason, d.replica)
                 held: list[Chunk] = []

@@ -5,24 +5,30 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
-_TYPES = {400: "invalid_request_error", 404: "not_found_error", 413: "invalid_request_error",
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          413: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
 class APIError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 retry_after: int | None = None) -> None:
+                 retry_after: int | None = None, code: str | int | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.retry_after = (
             status, message, param, retry_after)
+        self.code = code if code is not None else status
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": _TYPES.get(self.status, "error"),
-                          "param": self.param, "code": self.status}}
+                          "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(self.retry_after)} if self.retry_after else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+    def response(self, headers: dict[str, str] | None = None) -> JSONResponse:
+        headers = dict(headers or {})
+        if self.retry_after:
+            headers["Retry-After"] = str(self.retry_after)
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(self.body(), status_code=self.status, headers=headers or None)
 
 
 def from_validation(err: ValidationError) -> APIError:

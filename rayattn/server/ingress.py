@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP ingress (FastAPI on Ray Serve)."""
+"""What the OpenAI-compatible ingress does per request: authorize, parse, template, route,
+stream back. The HTTP routes that call it are in rayattn/server/api.py."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -26,12 +27,15 @@ from rayattn.server.protocol import UNSUPPORTED, ChatCompletionRequest, Completi
 from rayattn.server.templating import Templater
 
 log = logging.getLogger("rayattn.ingress")
-app = FastAPI(title="rayattn", version="0.1.0")
+REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
     def __init__(self, args: dict[str, Any], engines: list[Any],
                  policy: str | None = None) -> None:
+        from rayattn import logs
+
+        logs.setup()
         self.cfg = parse_args(args)
         plan = build_plan(self.cfg, prepare_model=True)
         self.model_name = self.cfg.model.name
@@ -40,6 +44,7 @@ class Ingress:
         self.templater = Templater(src, self.cfg.model.trust_remote_code)
         names = {f"engine-{i}": h for i, h in enumerate(engines)}
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
+        self.keys = Keys.from_env(self.cfg.router)
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
         """New router settings on a running router (Serve's reconfigure): limits and
@@ -48,9 +53,14 @@ class Ingress:
         from rayattn.config.schema import RouterConfig
 
         new = RouterConfig.model_validate(router)
+        keys = Keys.from_env(new)  # fails the update (not the requests) when a key is missing
         self.cfg.router = new  # validate_assignment re-checks it against the engine part
+        self.keys = keys
         self.dispatcher.apply_router_config(new)
         log.info("router settings applied: %s", new.model_dump())
+
+    def _authorize(self, request: Request, admin: bool = False) -> None:
+        self.keys.check(request.headers.get("authorization"), admin)
 
     # --- plumbing -----------------------------------------------------------------------
     async def _body(self, request: Request, model_cls: type) -> Any:
@@ -107,20 +117,28 @@ class Ingress:
         t0 = time.time()
         request.state.arrived = time.perf_counter()
         try:
+            rid = request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+        except APIError as e:
+            return e.response()
+        try:
+            self._authorize(request)
             await self.dispatcher.start()
             body = await self._body(request, ChatCompletionRequest if kind == "chat"
                                     else CompletionRequest)
             self.dispatcher.admit()
         except APIError as e:
-            return e.response()
+            return e.response({REQUEST_ID_HEADER: rid})
         # From here the admission slot is ours until the response ends (or fails to start).
         try:
-            return await self._admitted(request, kind, body, t0)
+            response = await self._admitted(request, kind, body, t0, rid)
         except BaseException:
             self.dispatcher.admission.release()
             raise
+        response.headers[REQUEST_ID_HEADER] = rid
+        return response
 
-    async def _admitted(self, request: Request, kind: str, body: Any, t0: float) -> Response:
+    async def _admitted(self, request: Request, kind: str, body: Any, t0: float,
+                        rid: str) -> Response:
         try:
             if kind == "chat":
                 messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -139,10 +157,9 @@ class Ingress:
         except APIError as e:
             self.dispatcher.admission.release()
             return e.response()
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens),
                                self.cfg.router.stream_interval_ms / 1e3 if body.stream
-                               else float("inf"))
+                               else float("inf"), log=self.cfg.router.log_requests)
         route = self.dispatcher.route_request(
             prompt, request.headers.get(self.cfg.router.session_header), text)
         if body.stream:
@@ -237,6 +254,10 @@ class Ingress:
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:
             return APIError(404, "admin API disabled (router.admin_api)").response()
+        try:
+            self._authorize(request, admin=True)
+        except APIError as e:
+            return e.response()
         await self.dispatcher.start()
         from rayattn.config.schema import RouterConfig
 
@@ -263,7 +284,11 @@ class Ingress:
         return JSONResponse({"policy": policy, "index": self.dispatcher.view.mode,
                              "replicas_up": self.dispatcher.live()})
 
-    async def models(self) -> Response:
+    async def models(self, request: Request) -> Response:
+        try:
+            self._authorize(request)
+        except APIError as e:
+            return e.response()
         await self.dispatcher.start()
         if not self.dispatcher.live():
             return self._not_ready().response()
@@ -302,6 +327,50 @@ class Ingress:
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)
+
+
+def request_id(request: Request, prefix: str) -> str:
+    """The client's `x-request-id` (so one request can be followed through router and engine
+    logs and metrics) or a new one; it is the engine's request id and the response's `id`."""
+    given = request.headers.get(REQUEST_ID_HEADER)
+    if given is None:
+        return f"{prefix}-{uuid.uuid4().hex}"
+    if not 0 < len(given) <= 128 or not given.isprintable():
+        raise APIError(400, f"{REQUEST_ID_HEADER}: 1 to 128 printable characters",
+                       param=REQUEST_ID_HEADER)
+    return given
+
+
+class Keys:
+    """API keys from environment variables of the router process (a Kubernetes Secret in
+    the rendered manifests), never from the Serve config. No variable named: no auth."""
+
+    def __init__(self, api: list[str] | None, admin: list[str]) -> None:
+        self.api, self.admin = api, admin
+
+    @classmethod
+    def from_env(cls, rc: Any) -> Keys:
+        def read(var: str | None, field: str) -> list[str]:
+            if var is None:
+                return []
+            keys = [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
+            if not keys:
+                raise ValueError(f"router.{field}: environment variable {var} holds no key on "
+                                 "the router (refusing to serve without the keys it names)")
+            return keys
+        api = read(rc.api_keys_env, "api_keys_env") if rc.api_keys_env else None
+        return cls(api, read(rc.admin_keys_env, "admin_keys_env"))
+
+    def check(self, authorization: str | None, admin: bool) -> None:
+        import hmac
+
+        wanted = self.admin if admin else self.api
+        if wanted is None or (admin and self.api is None and not self.admin):
+            return  # no auth configured
+        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        if not given or not any(hmac.compare_digest(given, k.encode()) for k in wanted):
+            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)"
+                           + (" for the admin API" if admin else ""), code="invalid_api_key")
 
 
 def _usage(last: Any) -> dict:

@@ -1,0 +1,58 @@
+"""The HTTP surface: the FastAPI app, its error handlers and every route, in one place.
+
+The routes are methods of the `Router` Serve deployment (the ingress); what each one does
+lives in `rayattn.server.ingress.Ingress`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from ray import serve
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from rayattn.server.errors import APIError
+from rayattn.server.ingress import Ingress
+
+app = FastAPI(title="rayattn", version="0.1.0")
+
+
+@app.exception_handler(StarletteHTTPException)
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    return APIError(exc.status_code, str(exc.detail)).response()
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError):
+    return APIError(400, str(exc.errors()[:3])).response()
+
+
+@serve.deployment
+@serve.ingress(app)
+class Router(Ingress):
+    @app.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        return await self.handle(request, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(self, request: Request):
+        return await self.handle(request, "completion")
+
+    @app.get("/v1/models")
+    async def list_models(self, request: Request):
+        return await self.models(request)
+
+    @app.post("/admin/reset")
+    async def reset(self, request: Request):
+        return await self.admin_reset(request)
+
+    @app.get("/health")
+    async def health_check(self):
+        # Open without a key: load balancers and Kubernetes probes call it.
+        return await self.health()
+
+    async def reconfigure(self, router: dict[str, Any]) -> None:
+        # async: Serve then runs it on the replica's event loop, where the KV feeds live.
+        self.apply_router_config(router)

@@ -1,0 +1,79 @@
+"""API keys and request ids on a real router in front of the shared engines."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+from rayattn.bench.cli import wait_healthy
+from tests.conftest import local_args
+
+pytestmark = pytest.mark.integration
+MODEL = "smollm2"
+CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0,
+        "messages": [{"role": "user", "content": "Say hi."}]}
+
+
+@pytest.fixture(scope="module")
+def keyed(server):
+    """A second router on the same engines whose keys come from its environment."""
+    from ray import serve
+
+    from rayattn.app import Router
+
+    args = local_args()
+    args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True}
+    engines = [serve.get_deployment_handle(f"engine-{i}", app_name="rayattn") for i in (0, 1)]
+    env = {"runtime_env": {"env_vars": {"TEST_API_KEYS": "key-one, key-two"}}}
+    serve.run(Router.options(name="router-keyed", ray_actor_options=env).bind(args, engines),
+              name="keyed", route_prefix="/keyed", blocking=False)
+    url = f"{server}/keyed"
+    # /health is open, so readiness needs no key.
+    wait_healthy(url)
+    yield url
+    serve.delete("keyed")
+
+
+def test_api_keys_401_without_and_200_with(keyed):
+    from openai import AuthenticationError, OpenAI
+
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "key-one"}):
+        r = httpx.post(f"{keyed}/v1/chat/completions", json=CHAT, headers=headers, timeout=60)
+        assert r.status_code == 401, (headers, r.text)
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert r.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(f"{keyed}/v1/models", timeout=60).status_code == 401
+    assert httpx.get(f"{keyed}/health", timeout=60).status_code == 200
+    with pytest.raises(AuthenticationError):
+        OpenAI(base_url=f"{keyed}/v1", api_key="wrong", max_retries=0).models.list()
+    client = OpenAI(base_url=f"{keyed}/v1", api_key="key-two", max_retries=0, timeout=120)
+    out = client.chat.completions.create(**CHAT)
+    assert out.choices[0].message.content
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    # An API key does not open the admin API, and no admin key is configured.
+    r = httpx.post(f"{keyed}/admin/reset", json={}, timeout=60,
+                   headers={"Authorization": "Bearer key-one"})
+    assert r.status_code == 401 and "admin" in r.json()["error"]["message"]
+
+
+def test_request_id_is_echoed_and_is_the_completion_id(server):
+    r = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60,
+                   headers={"x-request-id": "trace-abc-123"})
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"] == "trace-abc-123"
+    assert r.json()["id"] == "trace-abc-123"
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
+                      json={"model": MODEL, "prompt": "One two", "max_tokens": 4,
+                            "stream": True}, headers={"x-request-id": "trace-stream-9"}) as s:
+        assert s.headers["x-request-id"] == "trace-stream-9"
+        ids = {json.loads(ln[6:])["id"] for ln in s.iter_lines()
+               if ln.startswith("data: {")}
+    assert ids == {"trace-stream-9"}
+    # Without one, a fresh id comes back in both places.
+    r = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.headers["x-request-id"] == r.json()["id"] and r.json()["id"].startswith("chatcmpl-")
+    bad = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60,
+                     headers={"x-request-id": "x" * 129})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"

@@ -1,0 +1,49 @@
+"""API keys come from the router's environment; checks are exact and fail closed."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayattn.config.schema import RouterConfig
+from rayattn.server.errors import APIError
+from rayattn.server.ingress import Keys
+
+
+def _keys(monkeypatch, **env: str) -> Keys:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    return Keys.from_env(RouterConfig(api_keys_env="K_API" if "K_API" in env else None,
+                                      admin_keys_env="K_ADMIN" if "K_ADMIN" in env else None))
+
+
+def test_no_keys_configured_means_open(monkeypatch):
+    keys = _keys(monkeypatch)
+    keys.check(None, admin=False)
+    keys.check(None, admin=True)
+
+
+def test_api_keys_checked_exactly(monkeypatch):
+    keys = _keys(monkeypatch, K_API="alpha,beta")
+    keys.check("Bearer beta", admin=False)
+    for bad in (None, "", "Bearer ", "Bearer alph", "Bearer alpha,beta", "Basic alpha"):
+        with pytest.raises(APIError) as e:
+            keys.check(bad, admin=False)
+        assert e.value.status == 401
+    with pytest.raises(APIError):  # an API key is not an admin key
+        keys.check("Bearer alpha", admin=True)
+
+
+def test_admin_keys_separate(monkeypatch):
+    keys = _keys(monkeypatch, K_API="alpha", K_ADMIN="root")
+    keys.check("Bearer root", admin=True)
+    with pytest.raises(APIError):
+        keys.check("Bearer root", admin=False)
+
+
+def test_named_but_empty_variable_fails_closed(monkeypatch):
+    monkeypatch.setenv("K_API", " , ")
+    with pytest.raises(ValueError, match="router.api_keys_env"):
+        Keys.from_env(RouterConfig(api_keys_env="K_API"))
+    monkeypatch.delenv("K_API")
+    with pytest.raises(ValueError, match="K_API"):
+        Keys.from_env(RouterConfig(api_keys_env="K_API"))
