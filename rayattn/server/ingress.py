@@ -127,15 +127,13 @@ class Ingress:
                                     else CompletionRequest)
             self.dispatcher.admit()
         except APIError as e:
-            return e.response({REQUEST_ID_HEADER: rid})
+            return e.response()
         # From here the admission slot is ours until the response ends (or fails to start).
         try:
-            response = await self._admitted(request, kind, body, t0, rid)
+            return await self._admitted(request, kind, body, t0, rid)
         except BaseException:
             self.dispatcher.admission.release()
             raise
-        response.headers[REQUEST_ID_HEADER] = rid
-        return response
 
     async def _admitted(self, request: Request, kind: str, body: Any, t0: float,
                         rid: str) -> Response:
@@ -331,7 +329,10 @@ class Ingress:
 
 def request_id(request: Request, prefix: str) -> str:
     """The client's `x-request-id` (so one request can be followed through router and engine
-    logs and metrics) or a new one; it is the engine's request id and the response's `id`."""
+    logs) or a new one; it is the engine's request id and the response's `id`. Serve's HTTP
+    proxy passes the client's header on and sets its own request id there when the client
+    sent none, and echoes it in the response's `x-request-id` header (so this router does
+    not add one)."""
     given = request.headers.get(REQUEST_ID_HEADER)
     if given is None:
         return f"{prefix}-{uuid.uuid4().hex}"
@@ -367,7 +368,8 @@ class Keys:
         wanted = self.admin if admin else self.api
         if wanted is None or (admin and self.api is None and not self.admin):
             return  # no auth configured
-        given = (authorization or "").removeprefix("Bearer ").strip().encode()
+        scheme, _, token = (authorization or "").strip().partition(" ")
+        given = token.strip().encode() if scheme.lower() == "bearer" else b""
         if not given or not any(hmac.compare_digest(given, k.encode()) for k in wanted):
             raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)"
                            + (" for the admin API" if admin else ""), code="invalid_api_key")

@@ -25,7 +25,9 @@ def test_no_keys_configured_means_open(monkeypatch):
 def test_api_keys_checked_exactly(monkeypatch):
     keys = _keys(monkeypatch, K_API="alpha,beta")
     keys.check("Bearer beta", admin=False)
-    for bad in (None, "", "Bearer ", "Bearer alph", "Bearer alpha,beta", "Basic alpha"):
+    keys.check("bearer alpha", admin=False)  # the scheme is case-insensitive (RFC 7235)
+    for bad in (None, "", "Bearer ", "Bearer alph", "Bearer alpha,beta", "Basic alpha",
+                "alpha"):
         with pytest.raises(APIError) as e:
             keys.check(bad, admin=False)
         assert e.value.status == 401
