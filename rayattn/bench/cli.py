@@ -90,8 +90,25 @@ def cmd_bench(a: argparse.Namespace) -> int:
         policies = a.policies.split(",")
         if a.index:
             policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
-        run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
-                   a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+        if not a.ingress:
+            run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
+                       a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+        for n in [int(x) for x in (a.ingress or "").split(",") if x]:
+            if a.target is not None:
+                raise SystemExit("--ingress redeploys the router: only with the local deployment")
+
+            def on_n_routers(pol: str, n: int = n) -> None:
+                # Every router replica must switch, so the setting goes through the Serve
+                # config (user_config reaches all of them); the reset then only empties the
+                # engines' caches, which every router's events index sees.
+                policy, _, index = pol.partition("@")
+                deploy_router(a.config, n, {"policy": policy, **({"index": index} if index
+                                                                  else {})})
+                rayattn_policy(pol)
+
+            run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
+                       on_n_routers, a.concurrency, a.block_size, tok, a.runs, a.rate, table,
+                       raw)
         if a.target is None and a.peer:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
     if a.peer:
@@ -100,6 +117,38 @@ def cmd_bench(a: argparse.Namespace) -> int:
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
     return 0
+
+
+def deploy_router(config: str, replicas: int, settings: dict) -> None:
+    """Redeploy the local app's router with `replicas` replicas and these settings (a
+    lightweight Serve update: engines keep running) and wait until all of them serve."""
+    import time
+
+    import yaml
+    from ray import serve
+
+    from rayattn.app import deploy_config
+    from rayattn.config.loader import ROUTER_DEPLOYMENT
+
+    cfg = yaml.safe_load(Path(config).read_text())
+    app = cfg["applications"][0]
+    deps = app.setdefault("deployments", [])
+    router = next((d for d in deps if d["name"] == ROUTER_DEPLOYMENT), None)
+    if router is None:
+        router = {"name": ROUTER_DEPLOYMENT}
+        deps.append(router)
+    router["num_replicas"] = replicas
+    router["user_config"] = {**(router.get("user_config") or {}), **settings}
+    deploy_config(cfg)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = serve.status().applications[app["name"]]
+        d = st.deployments[ROUTER_DEPLOYMENT]
+        if str(st.status).endswith("RUNNING") and d.replica_states.get("RUNNING") == replicas \
+                and sum(d.replica_states.values()) == replicas:
+            return
+        time.sleep(1)
+    raise TimeoutError(f"router not at {replicas} running replicas")
 
 
 def stop_local() -> None:
@@ -267,6 +316,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="rayattn policies (empty: peer only)")
     b.add_argument("--index", help="router index modes to compare, e.g. events,predicted "
                                    "(default: leave the router's index as it is)")
+    b.add_argument("--ingress", help="router replica counts to compare, e.g. 1,4 (local "
+                                     "deployment only; policies switch through user_config)")
     b.add_argument("--peer", choices=["vllm-router"],
                    help="also run vllm-router in front of `vllm serve` engines with the same "
                         "engine settings, after rayattn, in the same run")

@@ -82,7 +82,9 @@ class EventFeed:
 
     def start(self) -> None:
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._run())
+            from rayattn.routing.replica_set import detached
+
+            self._task = detached(self._run())
 
     def stop(self) -> None:
         if self._task is not None:

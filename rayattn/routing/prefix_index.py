@@ -9,7 +9,7 @@ finished request's blocks tail-first (tails are evicted first).
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 
 
@@ -132,6 +132,10 @@ class EventIndex(PrefixIndex):
         self.ttl_s = ttl_s
         self._clock = clock or time.monotonic
         self._spec: dict[int, dict[str, float]] = {}
+        # (expiry, key, replica) in insertion order, which is expiry order (one ttl, a
+        # monotonic clock): swept on every insert, so unconfirmed blocks (unique prompts,
+        # blocks evicted before their event) do not pile up.
+        self._expiry: deque[tuple[float, int, str]] = deque()
 
     def add_replica(self, replica: str, capacity_blocks: int = 0) -> None:
         self._lru.setdefault(replica, OrderedDict())
@@ -157,11 +161,22 @@ class EventIndex(PrefixIndex):
     def insert(self, replica: str, keys: Sequence[int]) -> None:
         if replica not in self._lru:
             return
-        exp = self._clock() + self.ttl_s
+        now = self._clock()
+        self._sweep(now)
+        exp = now + self.ttl_s
         for key in keys:
             owners = self._owners.get(key)
             if owners is None or replica not in owners:
                 self._spec.setdefault(key, {})[replica] = exp
+                self._expiry.append((exp, key, replica))
+
+    def _sweep(self, now: float) -> None:
+        q = self._expiry
+        while q and q[0][0] <= now:
+            exp, key, replica = q.popleft()
+            spec = self._spec.get(key)
+            if spec is not None and spec.get(replica) == exp:  # not renewed since
+                self._drop_spec(key, replica)
 
     def speculative(self, replica: str) -> int:
         return sum(1 for owners in self._spec.values() if replica in owners)

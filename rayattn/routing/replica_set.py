@@ -32,13 +32,15 @@ def engine_dead(e: BaseException) -> bool:
     """True when `e` says the engine replica is gone (not that one request was bad)."""
     if isinstance(e, REPLICA_DEAD):
         return True
-    # gRPC transport: Serve maps only UNAVAILABLE to ActorUnavailableError; a replica shutting
-    # down or a reset stream surfaces as the raw RPC error. Errors about the request itself
-    # arrive as the engine's own exception, never as an RPC error.
+    # gRPC transport: Serve maps UNAVAILABLE (and a peer's CANCELLED before the handler ran)
+    # to ActorUnavailableError; a replica that goes away mid-stream can still surface as the
+    # raw RPC error with these codes. Errors about the request itself arrive as the engine's
+    # own exception; other RPC codes (e.g. a message over the size limit) are not deaths.
     import grpc
 
     if isinstance(e, grpc.aio.AioRpcError):
-        return True
+        return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+                            grpc.StatusCode.INTERNAL)
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
     except Exception:  # pragma: no cover - vLLM layout differs
@@ -69,23 +71,28 @@ class ReplicaSet:
         self._on_up, self._on_down, self._on_info = on_up, on_down, on_info
         self.period_s, self.timeout_s = period_s, timeout_s
         self._task: asyncio.Task | None = None
+        self._ready = asyncio.Event()
+        self._recheck: asyncio.Task | None = None
         self._lock = asyncio.Lock()
 
     def live(self) -> list[str]:
         return [n for n, r in self.replicas.items() if r.up]
 
     async def start(self) -> None:
+        """Start probing (once, however many requests call this at once) and return when
+        the first round is done."""
         if self._task is None:
-            await self.refresh()
-            self._task = asyncio.get_running_loop().create_task(self._loop())
+            self._task = detached(self._loop())
+        await self._ready.wait()
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.period_s)
             try:
                 await self.refresh()
             except Exception:  # the probe must outlive any one bad round
                 log.exception("engine probe failed")
+            self._ready.set()
+            await asyncio.sleep(self.period_s)
 
     async def refresh(self) -> None:
         async with self._lock:
@@ -128,6 +135,17 @@ class ReplicaSet:
         r.pid = None
 
     def dead(self, name: str, cause: BaseException) -> None:
-        """A call to `name` failed with a replica-dead error: out now, probe soon."""
+        """A call to `name` failed with a replica-dead error: out now, probe soon (one
+        extra round, however many calls failed)."""
         self.mark_down(self.replicas[name], type(cause).__name__)
-        asyncio.get_running_loop().create_task(self.refresh())
+        if self._recheck is None or self._recheck.done():
+            self._recheck = detached(self.refresh())
+
+
+def detached(coro: Any) -> asyncio.Task:
+    """A background task that does not inherit the current request's context: Serve keys
+    child calls by the request id it finds there, and calls from a task started inside a
+    request handler would all share that request's id."""
+    import contextvars
+
+    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())

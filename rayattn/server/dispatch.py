@@ -46,15 +46,32 @@ class Admission:
     def __init__(self, limit: int) -> None:
         self.limit, self.inflight, self.peak = limit, 0, 0
 
-    def acquire(self) -> None:
+    def acquire(self) -> Slot:
         if self.inflight >= self.limit:
             raise APIError(429, f"router at its admission limit ({self.limit} in flight); "
                                 "retry later", retry_after=1)
         self.inflight += 1
         self.peak = max(self.peak, self.inflight)
+        return Slot(self)
+
+
+class Slot:
+    """One admitted request's place; released exactly once, from whichever path ends the
+    request first (response done, client gone, error before the response started)."""
+
+    def __init__(self, admission: Admission) -> None:
+        self._admission: Admission | None = admission
 
     def release(self) -> None:
-        self.inflight = max(0, self.inflight - 1)
+        if self._admission is not None:
+            self._admission.inflight -= 1
+            self._admission = None
+
+
+# RouterConfig fields a policy is built from; other settings apply without rebuilding it.
+POLICY_FIELDS = ("policy", "load_epsilon", "min_match_fraction", "prefill_s_per_token",
+                 "extend_s_per_context_token", "decode_s_per_request",
+                 "ray_prefix_match_rate_threshold", "ray_prefix_imbalanced_threshold")
 
 
 class Dispatcher:
@@ -67,6 +84,8 @@ class Dispatcher:
                                   cfg.engine.hash_seed)
         self.policy = make_policy(policy or cfg.router.policy, self.view.index, self.load,
                                   block_size, cfg.router)
+        self._policy_settings = {k: getattr(cfg.router, k) for k in POLICY_FIELDS}
+        self._policy_settings["policy"] = self.policy.name
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
         self.replicas = ReplicaSet(
             engines, self._joined, self._left,
@@ -122,17 +141,21 @@ class Dispatcher:
 
     def apply_router_config(self, rc: Any) -> None:
         self.admission.limit = rc.max_inflight
-        if rc.index != self.view.mode:
+        index_changed = rc.index != self.view.mode
+        if index_changed:
             for name in list(self.view.feeds):
                 self.view.leave(name)
             self.view = CacheView(rc.index, rc.speculative_ttl_s)
             for name in self.live():
                 r = self.replicas.replicas[name]
                 self.view.join(name, r.info, r.handle)
-        # Policies are cheap to build and hold no cache state of their own (the index and
-        # the load do): rebuild so every threshold takes effect.
-        self.policy = make_policy(rc.policy, self.view.index, self.load,
-                                  self.hasher.block_size, rc)
+        # A policy holds learned state (cost model, session owners, ray_prefix's text tree):
+        # rebuild it only when the policy or one of its own settings changed, or its index.
+        mine = {k: getattr(rc, k) for k in POLICY_FIELDS}
+        if index_changed or mine != self._policy_settings:
+            self.policy = make_policy(rc.policy, self.view.index, self.load,
+                                      self.hasher.block_size, rc)
+            self._policy_settings = mine
         if self.metrics is not None and self.metrics.base["policy"] != rc.policy:
             self.metrics = RouterMetrics(self.cfg.model.name, rc.policy)
 
@@ -143,11 +166,14 @@ class Dispatcher:
         await asyncio.gather(*(r.handle.reset_prefix_cache.remote() for r in live))
         for r in live:
             self.view.join(r.name, r.info, r.handle)
-        if policy and policy != self.policy.name:
-            self.policy = make_policy(policy, self.view.index, self.load,
-                                      self.hasher.block_size, self.cfg.router)
-            if self.metrics is not None:
-                self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
+        # Cold start means cold everywhere: a fresh policy forgets what it learned (sessions,
+        # ray_prefix's text tree), so runs compared on the same engines start alike.
+        switched = bool(policy) and policy != self.policy.name
+        self.policy = make_policy(policy or self.policy.name, self.view.index, self.load,
+                                  self.hasher.block_size, self.cfg.router)
+        self._policy_settings["policy"] = self.policy.name
+        if switched and self.metrics is not None:
+            self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
         return self.policy.name
 
     # --- routing ------------------------------------------------------------------------
@@ -161,9 +187,9 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
 
-    def admit(self) -> None:
+    def admit(self) -> Slot:
         try:
-            self.admission.acquire()
+            return self.admission.acquire()
         except APIError:
             self._reject(429)
             raise
@@ -202,9 +228,8 @@ class Dispatcher:
                         else:
                             delivered = True
                             yield chunk, d
-                except (asyncio.CancelledError, GeneratorExit):
-                    raise
-                except Exception as e:
+                except EngineCallError as err:
+                    e = err.cause
                     if not engine_dead(e):
                         raise _request_error(e) from e
                     self.replicas.dead(d.replica, e)
@@ -242,28 +267,44 @@ class Dispatcher:
 
     async def _call(self, d: Decision, req: GenerateRequest,
                     route: RouteRequest) -> AsyncIterator[Chunk]:
+        """Stream one attempt from one replica. Errors the call itself raises come out as
+        EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
         uncached = route.prompt_tokens - d.predicted_cached_tokens
         epoch = self.load.acquire(replica, uncached)
-        self.policy.on_dispatch(replica, route)
         prefill_pending = True
-        out_tokens: list[int] = []
-        handle = self.replicas.replicas[replica].handle
-        d.dispatched_at = time.perf_counter()
-        gen = self._stream_handle(handle).generate.remote(req)
+        gen = None
         try:
-            async for chunk in gen:
+            self.policy.on_dispatch(replica, route)
+            out_tokens: list[int] = []
+            handle = self.replicas.replicas[replica].handle
+            d.dispatched_at = time.perf_counter()
+            try:
+                gen = self._stream_handle(handle).generate.remote(req)
+            except Exception as e:
+                raise EngineCallError(e) from e
+            while True:
+                try:
+                    chunk = await gen.__anext__()
+                except StopAsyncIteration:
+                    break
+                except Exception as e:
+                    raise EngineCallError(e) from e
                 if prefill_pending:
                     self.load.prefill_done(replica, uncached)
                     prefill_pending = False
                 out_tokens.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
-                    self._learn(d, route, req, chunk, out_tokens)
+                    try:
+                        self._learn(d, route, req, chunk, out_tokens)
+                    except Exception:  # learning must never fail a served request
+                        log.exception("learning from request %s failed", req.request_id)
                 yield chunk
         finally:
             # Runs on success, failure and cancellation alike: the engine request is
             # cancelled (aborted in vLLM) and the replica's load released.
-            gen.cancel()
+            if gen is not None:
+                gen.cancel()
             self.load.release(replica, uncached if prefill_pending else 0, epoch)
 
     def _stream_handle(self, handle: Any) -> Any:
@@ -302,6 +343,14 @@ def _request_error(e: BaseException) -> APIError:
                         param=getattr(cause, "parameter", None))
     log.error("engine error (not retried): %s: %s", type(e).__name__, str(e)[:500])
     return APIError(500, f"engine error: {type(e).__name__}")
+
+
+class EngineCallError(Exception):
+    """An exception raised by the call to an engine replica (not by the router's code)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 class EngineFailure(Exception):

@@ -19,9 +19,9 @@ from pydantic import ValidationError
 from rayattn.config.architecture import local_model_dir
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import GenerateRequest
+from rayattn.engine.protocol import Chunk, GenerateRequest
 from rayattn.routing.policies import Decision
-from rayattn.server.dispatch import Dispatcher, EngineFailure
+from rayattn.server.dispatch import Dispatcher, EngineFailure, Slot
 from rayattn.server.errors import APIError, from_validation
 from rayattn.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
 from rayattn.server.templating import Templater
@@ -125,18 +125,19 @@ class Ingress:
             await self.dispatcher.start()
             body = await self._body(request, ChatCompletionRequest if kind == "chat"
                                     else CompletionRequest)
-            self.dispatcher.admit()
+            slot = self.dispatcher.admit()
         except APIError as e:
             return e.response()
-        # From here the admission slot is ours until the response ends (or fails to start).
+        # From here the slot is ours until the response ends; whichever path ends the
+        # request releases it (once).
         try:
-            return await self._admitted(request, kind, body, t0, rid)
+            return await self._admitted(request, kind, body, t0, rid, slot)
         except BaseException:
-            self.dispatcher.admission.release()
+            slot.release()
             raise
 
     async def _admitted(self, request: Request, kind: str, body: Any, t0: float,
-                        rid: str) -> Response:
+                        rid: str, slot: Slot) -> Response:
         try:
             if kind == "chat":
                 messages = [m.model_dump(exclude_none=True) for m in body.messages]
@@ -153,23 +154,38 @@ class Ingress:
                 text = body.prompt if isinstance(body.prompt, str) else ""
             max_tokens = self._limits(prompt, body)
         except APIError as e:
-            self.dispatcher.admission.release()
+            slot.release()
             return e.response()
         greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens),
                                self.cfg.router.stream_interval_ms / 1e3 if body.stream
                                else float("inf"), log=self.cfg.router.log_requests)
         route = self.dispatcher.route_request(
             prompt, request.headers.get(self.cfg.router.session_header), text)
+        deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(self._sse(kind, rid, int(t0), greq, route, include_usage,
-                                               request.state.arrived),
-                                     media_type="text/event-stream")
+            # The first chunk before the response starts: a request that fails before any
+            # output (no replica, the engine rejects it, timeout) gets its real status code.
+            chunks = self.dispatcher.generate(greq, route)
+            try:
+                async with asyncio.timeout_at(deadline):
+                    first = await anext(chunks)
+            except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
+                slot.release()
+                await chunks.aclose()
+                return _early_error(e, self.cfg.router.request_timeout_s).response()
+            except BaseException:
+                await chunks.aclose()
+                raise
+            return _Stream(self._sse(kind, rid, int(t0), first, chunks, include_usage,
+                                     request.state.arrived, deadline), slot,
+                           media_type="text/event-stream")
         return await self._complete(kind, rid, int(t0), greq, route,
-                                    bool(body.return_token_ids), request.state.arrived)
+                                    bool(body.return_token_ids), request.state.arrived, slot)
 
     async def _complete(self, kind: str, rid: str, created: int, greq: GenerateRequest,
-                        route: Any, return_token_ids: bool, arrived: float) -> Response:
+                        route: Any, return_token_ids: bool, arrived: float,
+                        slot: Slot) -> Response:
         text, last, decision = [], None, None
         token_ids: list[int] = []
         try:
@@ -188,7 +204,7 @@ class Ingress:
             return APIError(504, f"request exceeded {self.cfg.router.request_timeout_s}s")\
                 .response()
         finally:
-            self.dispatcher.admission.release()
+            slot.release()
         assert last is not None and decision is not None
         content = "".join(text)
         if kind == "chat":
@@ -205,18 +221,24 @@ class Ingress:
             "usage": _usage(last), "rayattn": _ext(last, decision, arrived)},
             headers={"x-rayattn-replica": decision.replica})
 
-    async def _sse(self, kind: str, rid: str, created: int, greq: GenerateRequest, route: Any,
-                   include_usage: bool, arrived: float) -> AsyncIterator[str]:
+    async def _sse(self, kind: str, rid: str, created: int, head: tuple[Chunk, Decision],
+                   chunks: AsyncIterator[tuple[Chunk, Decision]], include_usage: bool,
+                   arrived: float, deadline: float) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
         first = True
-        last, decision = None, None
+        last = None
 
         def event(payload: dict) -> str:
             return f"data: {json.dumps(payload)}\n\n"
 
+        async def all_chunks() -> AsyncIterator[tuple[Chunk, Decision]]:
+            yield head
+            async for item in chunks:
+                yield item
+
         try:
-            async with asyncio.timeout(self.cfg.router.request_timeout_s):
-                async for chunk, decision in self.dispatcher.generate(greq, route):
+            async with asyncio.timeout_at(deadline):
+                async for chunk, decision in all_chunks():
                     last = chunk
                     if kind == "chat":
                         delta: dict[str, Any] = {"content": chunk.text}
@@ -247,7 +269,7 @@ class Ingress:
             yield event(APIError(504, "request timed out").body())
             yield "data: [DONE]\n\n"
         finally:
-            self.dispatcher.admission.release()
+            await chunks.aclose()
 
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:
@@ -325,6 +347,32 @@ class Ingress:
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)
+
+
+class _Stream(StreamingResponse):
+    """A streaming response that gives its admission slot back however it ends: finished,
+    client gone, or never started (Starlette does not close a generator it never ran)."""
+
+    def __init__(self, content: AsyncIterator[str], slot: Slot, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self._slot = slot
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+
+
+def _early_error(e: BaseException, timeout_s: float) -> APIError:
+    """What a stream that failed before its first chunk answers with."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineFailure):
+        return APIError(503, f"engine failure: {e}", retry_after=2)
+    if isinstance(e, TimeoutError):
+        return APIError(504, f"request exceeded {timeout_s}s")
+    return APIError(503, "the engine ended the request without output", retry_after=2)
 
 
 def request_id(request: Request, prefix: str) -> str:

@@ -179,13 +179,20 @@ def test_admission_is_exact():
     from rayattn.server.errors import APIError
 
     adm = Admission(3)
-    for _ in range(3):
-        adm.acquire()
+    slots = [adm.acquire() for _ in range(3)]
     try:
         adm.acquire()
         raise AssertionError("admitted past the limit")
     except APIError as e:
         assert e.status == 429
-    adm.release()
+    # A slot released twice (response end and error path both firing) frees one place only.
+    slots[0].release()
+    slots[0].release()
+    assert adm.inflight == 2
     adm.acquire()
+    try:
+        adm.acquire()
+        raise AssertionError("a double release let a fourth request in")
+    except APIError:
+        pass
     assert adm.peak == 3
