@@ -54,6 +54,13 @@ class KVMirror:
     def cleared(self) -> None:
         self._keys.clear()
 
+    def reset(self) -> None:
+        """The engine's prefix cache was just emptied (reset_prefix_cache). vLLM publishes
+        its AllBlocksCleared with the next engine step, which on an idle engine may be long
+        after a router resyncs: clear now so no snapshot in between shows the old blocks."""
+        with self._lock:
+            self._keys.clear()
+
     def snapshot(self) -> Snapshot:
         with self._lock:
             return Snapshot(self._seq, list(self._keys))
@@ -75,18 +82,22 @@ class KVMirror:
         sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
         dec = decoder()
         while not self._stop.is_set():
-            if not sub.poll(200):
-                continue
-            parts = sub.recv_multipart()
-            if len(parts) != 3:
-                continue
-            seq = int.from_bytes(parts[1], "big")
-            if seq > self._seq + 1 and self._seq >= 0:
-                self._replay(ctx, self._seq + 1, seq, dec)
-            with self._lock:
-                if seq > self._seq:
-                    apply_batch(dec.decode(parts[2]), self)
-                    self._seq = seq
+            try:
+                if not sub.poll(200):
+                    continue
+                parts = sub.recv_multipart()
+                if len(parts) != 3:
+                    continue
+                seq = int.from_bytes(parts[1], "big")
+                if seq > self._seq + 1 and self._seq >= 0:
+                    self._replay(ctx, self._seq + 1, seq, dec)
+                with self._lock:
+                    if seq > self._seq:
+                        apply_batch(dec.decode(parts[2]), self)
+                        self._seq = seq
+            except Exception:
+                # One bad batch must not end the mirror: routers resync from it.
+                log.exception("KV mirror: event batch skipped")
         sub.close()
 
     def _replay(self, ctx, start: int, upto: int, dec) -> None:

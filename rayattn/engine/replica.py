@@ -129,7 +129,10 @@ class EngineReplica:
 
     async def reset_prefix_cache(self) -> bool:
         """Empty the prefix cache (benchmarks compare policies from the same cold start)."""
-        return bool(await self.engine.reset_prefix_cache())
+        done = bool(await self.engine.reset_prefix_cache())
+        if done and self.kv_mirror is not None:
+            self.kv_mirror.reset()
+        return done
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
