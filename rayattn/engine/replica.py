@@ -32,6 +32,8 @@ class EngineReplica:
         # The engine core is a child process: it inherits this environment, including the
         # PYTHONHASHSEED that makes its block hashes match the router's.
         os.environ.update(plan.env)
+        if (outside := compat.support_warning()) is not None:
+            log.warning(outside)
         # vLLM-version/install fixes (flashinfer sampler, TCPStore port window)
         compat.apply_engine_env(os.environ, cfg.platform.kind, plan.engine_kwargs)
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
