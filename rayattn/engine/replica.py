@@ -50,7 +50,6 @@ class EngineReplica:
 
         self.rank = rank
         self.cfg, self.plan = cfg, plan
-        self.speed = EngineSpeed()
         self.replica_id = _replica_id(rank)
         self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id, rank)
                         if metrics_enabled else None)
@@ -104,8 +103,7 @@ class EngineReplica:
                                       "ep": str(par.enable_expert_parallel).lower(),
                                       "platform": self.cfg.platform.kind})
         return {**self._info, **(await compat.engine_device_info(self)),
-                "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
-                "speed": self.speed.report()}
+                "unfinished": self.engine.output_processor.get_num_unfinished_requests()}
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
@@ -165,9 +163,6 @@ class EngineReplica:
                           completion_tokens=generated)
             if out.finished:
                 chunk.timings = self._timings(out, start, first_token_at, generated)
-                self.speed.observe(chunk.prompt_tokens - chunk.num_cached_tokens,
-                                   chunk.timings, self.engine.output_processor
-                                   .get_num_unfinished_requests() + 1)
                 chunk.served_by = {"engine": f"engine-{self.rank}",
                                    "replica": self.replica_id, "pid": os.getpid()}
                 if req.log:
@@ -209,33 +204,6 @@ class EngineReplica:
                 itl = (m.last_token_ts - m.first_token_ts) / (generated - 1)
         return {"ttft_s": ttft, "prefill_s": prefill, "queue_s": queue, "e2e_s": now - start,
                 "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill"}
-
-
-class EngineSpeed:
-    """This engine's measured speed, which every router reads with its probe: the seconds one
-    prefilled token takes (scheduled → first token, per computed token) and what one more
-    running sequence adds to a decode step. From the engine, so routers started at different
-    times, or that saw different requests, price the same engine alike (EWMA, alpha 0.2)."""
-
-    def __init__(self, alpha: float = 0.2) -> None:
-        self.alpha = alpha
-        self.prefill_s_per_token: float | None = None
-        self.decode_s_per_seq: float | None = None
-
-    def _mix(self, old: float | None, new: float) -> float:
-        return new if old is None else old + self.alpha * (new - old)
-
-    def observe(self, computed_tokens: int, timings: dict[str, Any], running: int) -> None:
-        if computed_tokens >= 64 and timings.get("prefill_s", 0) > 0:
-            self.prefill_s_per_token = self._mix(self.prefill_s_per_token,
-                                                 timings["prefill_s"] / computed_tokens)
-        if timings.get("itl_s"):
-            self.decode_s_per_seq = self._mix(self.decode_s_per_seq,
-                                              timings["itl_s"] / max(running, 1))
-
-    def report(self) -> dict[str, float | None]:
-        return {"prefill_s_per_token": self.prefill_s_per_token,
-                "decode_s_per_seq": self.decode_s_per_seq}
 
 
 def _replica_id(rank: int) -> str:

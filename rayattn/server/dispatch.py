@@ -89,7 +89,7 @@ class Dispatcher:
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
         self.replicas = ReplicaSet(
             engines, self._joined, self._left,
-            on_info=self._engine_info)
+            on_info=lambda r: self.load.reported(r.name, r.info.get("unfinished", 0)))
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
@@ -110,24 +110,6 @@ class Dispatcher:
                 self.metrics.load(dict(self.load.inflight.items()), live,
                                   self.load.imbalance(live))
             await asyncio.sleep(self.replicas.period_s)
-
-    def _engine_info(self, r: Replica) -> None:
-        self.load.reported(r.name, r.info.get("unfinished", 0))
-        self._adopt_engine_speed()
-
-    def _adopt_engine_speed(self) -> None:
-        """The cost model takes the engines' own measured speed (mean over live engines that
-        have measured it), so every router prices the engines alike from its first probe;
-        between probes it refines from the timings it sees."""
-        cost = self.policy.cost
-        if cost is None:
-            return
-        speeds = [self.replicas.replicas[n].info.get("speed") or {} for n in self.live()]
-        for ours, theirs in (("prefill_s_per_token", "prefill_s_per_token"),
-                             ("decode_s_per_request", "decode_s_per_seq")):
-            vals = [s[theirs] for s in speeds if s.get(theirs)]
-            if vals:
-                setattr(cost, ours, sum(vals) / len(vals))
 
     def _joined(self, r: Replica) -> bool:
         bs = r.info["block_size"]
