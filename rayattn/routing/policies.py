@@ -87,9 +87,6 @@ class CostModel:
 
 class Policy:
     name = "base"
-    cost: CostModel | None = None
-    """What the policy learned about engine speed (affinity only): not cache state, so it
-    survives a cache reset."""
 
     def __init__(self, index: PrefixIndex, load: LoadTracker, block_size: int):
         self.index, self.load, self.block_size = index, load, block_size

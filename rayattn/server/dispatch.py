@@ -166,15 +166,11 @@ class Dispatcher:
         await asyncio.gather(*(r.handle.reset_prefix_cache.remote() for r in live))
         for r in live:
             self.view.join(r.name, r.info, r.handle)
-        # Cold caches: a fresh policy forgets what it learned about cache contents (session
-        # owners, ray_prefix's text tree), so runs compared on the same engines start alike;
-        # what it learned about engine speed (the cost model) is not cache state and stays.
+        # Cold start means cold everywhere: a fresh policy forgets what it learned (sessions,
+        # ray_prefix's text tree), so runs compared on the same engines start alike.
         switched = bool(policy) and policy != self.policy.name
-        learned = self.policy.cost
         self.policy = make_policy(policy or self.policy.name, self.view.index, self.load,
                                   self.hasher.block_size, self.cfg.router)
-        if learned is not None and self.policy.cost is not None:
-            self.policy.cost = learned
         self._policy_settings["policy"] = self.policy.name
         if switched and self.metrics is not None:
             self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
