@@ -37,6 +37,8 @@ class Result:
     """TTFT inside the engine replica; ttft_s minus this is the serving hops' share."""
     router_s: float | None = None
     """The router's own hop: request in → engine call issued."""
+    loads: str = ""
+    """The router's in-flight estimate per candidate at the decision ("engine-0:3 …")."""
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -69,7 +71,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
                   output_text="".join(text),
                   predicted_cached_tokens=ext.get("predicted_cached_tokens", -1),
-                  engine_ttft_s=ext.get("engine_ttft_s"), router_s=ext.get("router_s"))
+                  engine_ttft_s=ext.get("engine_ttft_s"), router_s=ext.get("router_s"),
+                  loads=" ".join(f"{k}:{v}" for k, v in sorted((ext.get("loads") or {}).items())))
 
 
 async def run_workload(url: str | list[str], model: str, workload: Workload,

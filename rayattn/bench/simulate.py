@@ -87,7 +87,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     # Independent ingress replicas: own index, own view of the load they dispatched.
     fleet = []
     for r in range(routers):
-        load = LoadTracker()
+        load = LoadTracker(origin=str(r))
         idx: PrefixIndex = EventIndex() if index == "events" else PrefixIndex()
         if isinstance(idx, EventIndex):
             views.append(idx)
@@ -102,6 +102,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             v.stored(rep, keys)
     ctx_free_at = dict.fromkeys(names, 0.0)
     running = dict.fromkeys(names, 0)
+    # Per replica, per router: what engines report as their in-flight count by origin.
+    running_by: dict[str, dict[str, int]] = {n: defaultdict(int) for n in names}
     # (time, seq, kind, replica, request index, uncached tokens, router); kind 0 = first
     # token (the router's pending prefill drains), 1 = request finished.
     events: list[tuple[float, int, int, str, int, int, int]] = []
@@ -128,6 +130,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                 load.prefill_done(rep, uncached)
                 continue
             running[rep] -= 1
+            running_by[rep][str(rt)] -= 1
             req = trace[ri]
             store(rep, req.output_keys)
             load.release(rep, 0)
@@ -140,7 +143,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         pol, load = fleet[rt]
         if views:  # engine-reported load, shared by every router
             for n in names:
-                load.reported(n, running[n])
+                load.reported(n, running_by[n])
         route = RouteRequest(req.keys, req.prompt_tokens, req.keys[0] if req.keys else i,
                              req.session, req.text)
         d = pol.choose(route, names)
@@ -171,6 +174,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         seq += 1
         heapq.heappush(events, (first_token, seq, 0, rep, i, predicted_uncached, rt))
         running[rep] += 1
+        running_by[rep][str(rt)] += 1
         itl = model.itl_base_s + model.itl_per_seq_s * running[rep]
         done = first_token + max(req.output_tokens - 1, 0) * itl
         ttfts.append(first_token - req.arrival)

@@ -17,6 +17,9 @@ class GenerateRequest:
     (infinity: first token, then the rest at the end)."""
     log: bool = False
     """Log one line for this request on the engine (router.log_requests)."""
+    origin: str = ""
+    """The sending router replica: engines count in-flight requests per origin, so each
+    router knows its own share exactly and takes only the others' from the report."""
 
 
 @dataclass

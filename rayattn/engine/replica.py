@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -88,6 +89,7 @@ class EngineReplica:
             "startup_s": round(time.monotonic() - t0, 2),
             "kv_events": kv_endpoint,
         }
+        self._inflight_by_origin: Counter[str] = Counter()
         self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                               exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._info)
@@ -103,7 +105,8 @@ class EngineReplica:
                                       "ep": str(par.enable_expert_parallel).lower(),
                                       "platform": self.cfg.platform.kind})
         return {**self._info, **(await compat.engine_device_info(self)),
-                "unfinished": self.engine.output_processor.get_num_unfinished_requests()}
+                "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
+                "inflight_by_origin": dict(self._inflight_by_origin)}
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
@@ -137,6 +140,16 @@ class EngineReplica:
         return done
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+        self._inflight_by_origin[req.origin] += 1
+        try:
+            async for chunk in self._generate(req):
+                yield chunk
+        finally:
+            self._inflight_by_origin[req.origin] -= 1
+            if self._inflight_by_origin[req.origin] <= 0:
+                del self._inflight_by_origin[req.origin]
+
+    async def _generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

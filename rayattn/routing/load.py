@@ -1,69 +1,54 @@
-"""Load per replica: the engine's own count of unfinished requests (running + waiting, as
-every router replica sees it), plus what this router sent since that count was taken.
+"""Load per replica: this router's own requests in flight there, exactly, plus the other
+router replicas' requests as the engine last reported them.
 
-The engine's count alone is up to one probe period stale and would read zero on a fresh
-replica while a burst lands on it; this router's own dispatches alone miss what the other
-router replicas sent. Their combination is fleet-wide and current:
+Every engine replica counts its in-flight requests by the router that sent them (the
+`origin` of each GenerateRequest) and reports those counts with each probe. A router takes
+its own share from its own bookkeeping, which is never stale, and only the others' share
+from the report:
 
-    inflight(r) = max(local(r), engine_count(r) - done_since(r) + sent_since(r))
+    inflight(r) = local(r) + Σ_{origin ≠ this router} reported(r, origin)
 
-where sent_since counts this router's requests sent after the count was taken and still in
-flight, and done_since those of its requests that the count included and that have finished
-since (without it, a replica finishing requests between two counts looks busier than it is
-and the load guard moves conversations off their cache).
+The engine's total alone would be up to one probe period old for this router's own requests
+too: requests that finished while a report was on its way stay counted until the next one,
+and in a closed loop, where every finished turn is followed at once by the next, that
+phantom load fired the bounded-load guard and moved conversations off their cache.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 
 class LoadTracker:
-    def __init__(self) -> None:
+    def __init__(self, origin: str = "") -> None:
+        self.origin = origin
+        """This router's name in the engines' per-origin counts."""
         self.local: dict[str, int] = defaultdict(int)
         """Requests this router has in flight on each replica."""
-        self.engine: dict[str, int] = defaultdict(int)
-        """Unfinished requests the engine last reported."""
-        self.sent_since: dict[str, int] = defaultdict(int)
-        """Requests sent since the engine's last report and still in flight."""
-        self.done_since: dict[str, int] = defaultdict(int)
-        """Requests in the engine's last count that this router has seen finish since."""
-        self.epoch: dict[str, int] = defaultdict(int)
-        """Reports received per replica: tells whether a request predates the last one."""
+        self.others: dict[str, int] = defaultdict(int)
+        """Other routers' requests in flight on each replica, as its engine last reported."""
         self.pending_prefill: dict[str, int] = defaultdict(int)
         """Tokens dispatched to a replica whose first token has not come back yet."""
         self.inflight = _Inflight(self)
 
-    def reported(self, replica: str, unfinished: int) -> None:
-        self.engine[replica] = unfinished
-        self.sent_since[replica] = 0
-        self.done_since[replica] = 0
-        self.epoch[replica] += 1
+    def reported(self, replica: str, by_origin: Mapping[str, int]) -> None:
+        """An engine's count of its in-flight requests per sending router."""
+        self.others[replica] = sum(n for o, n in by_origin.items() if o != self.origin)
 
-    def acquire(self, replica: str, prefill_tokens: int) -> int:
-        """Count a request sent to `replica`; returns the token to pass to `release`."""
+    def acquire(self, replica: str, prefill_tokens: int) -> None:
         self.local[replica] += 1
-        self.sent_since[replica] += 1
         self.pending_prefill[replica] += prefill_tokens
-        return self.epoch[replica]
 
     def prefill_done(self, replica: str, prefill_tokens: int) -> None:
         self.pending_prefill[replica] = max(0, self.pending_prefill[replica] - prefill_tokens)
 
-    def release(self, replica: str, prefill_tokens_left: int = 0,
-                epoch: int | None = None) -> None:
+    def release(self, replica: str, prefill_tokens_left: int = 0) -> None:
         self.local[replica] = max(0, self.local[replica] - 1)
         self.prefill_done(replica, prefill_tokens_left)
-        if epoch is None or epoch == self.epoch[replica]:
-            # Sent after the engine's last count, so not in it: no longer in flight.
-            self.sent_since[replica] = max(0, self.sent_since[replica] - 1)
-        else:
-            # In the engine's last count, which now overstates the load by one.
-            self.done_since[replica] += 1
 
     def forget(self, replica: str) -> None:
-        for d in (self.local, self.engine, self.sent_since, self.done_since,
-                  self.pending_prefill):
+        for d in (self.local, self.others, self.pending_prefill):
             d.pop(replica, None)
 
     def imbalance(self, replicas: list[str]) -> float:
@@ -80,14 +65,11 @@ class _Inflight:
         self._t = t
 
     def __getitem__(self, replica: str) -> int:
-        t = self._t
-        return max(t.local.get(replica, 0),
-                   t.engine.get(replica, 0) - t.done_since.get(replica, 0)
-                   + t.sent_since.get(replica, 0))
+        return self._t.local.get(replica, 0) + self._t.others.get(replica, 0)
 
     def get(self, replica: str, default: int = 0) -> int:
         return self[replica]
 
     def items(self):
-        names = set(self._t.local) | set(self._t.engine)
+        names = set(self._t.local) | set(self._t.others)
         return [(r, self[r]) for r in names]

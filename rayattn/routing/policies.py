@@ -49,6 +49,8 @@ class Decision:
     costs: dict[str, float] = field(default_factory=dict)
     dispatched_at: float = 0.0
     """time.perf_counter() when the engine call was issued (the router hop ends there)."""
+    loads: dict[str, int] = field(default_factory=dict)
+    """In-flight estimate of each candidate when the choice was made (for explaining it)."""
 
 
 def rendezvous_rank(key: int, replicas: list[str]) -> list[str]:

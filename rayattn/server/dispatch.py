@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -78,7 +79,8 @@ class Dispatcher:
     def __init__(self, cfg: RayAttnConfig, block_size: int, engines: dict[str, Any],
                  policy: str | None = None, metrics: bool = True) -> None:
         self.cfg = cfg
-        self.load = LoadTracker()
+        # Names this router in the engines' per-origin in-flight counts (routing/load.py).
+        self.load = LoadTracker(origin=uuid.uuid4().hex[:12])
         self.view = CacheView(cfg.router.index, cfg.router.speculative_ttl_s)
         self.hasher = BlockHasher(block_size, cfg.engine.prefix_caching_hash_algo,
                                   cfg.engine.hash_seed)
@@ -89,7 +91,7 @@ class Dispatcher:
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
         self.replicas = ReplicaSet(
             engines, self._joined, self._left,
-            on_info=lambda r: self.load.reported(r.name, r.info.get("unfinished", 0)))
+            on_info=lambda r: self.load.reported(r.name, r.info.get("inflight_by_origin", {})))
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
@@ -212,6 +214,7 @@ class Dispatcher:
             for attempt in range(1 + self.cfg.router.max_retries):
                 candidates = await self._candidates(tried)
                 d = self.policy.choose(route, candidates)
+                d.loads = {r: self.load.inflight[r] for r in candidates}
                 tried.add(d.replica)
                 if req.log:
                     log.info("request %s -> %s (%s; prompt %d tokens, %d predicted cached; "
@@ -271,7 +274,8 @@ class Dispatcher:
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
         uncached = route.prompt_tokens - d.predicted_cached_tokens
-        epoch = self.load.acquire(replica, uncached)
+        self.load.acquire(replica, uncached)
+        req.origin = self.load.origin
         prefill_pending = True
         gen = None
         try:
@@ -305,7 +309,7 @@ class Dispatcher:
             # cancelled (aborted in vLLM) and the replica's load released.
             if gen is not None:
                 gen.cancel()
-            self.load.release(replica, uncached if prefill_pending else 0, epoch)
+            self.load.release(replica, uncached if prefill_pending else 0)
 
     def _stream_handle(self, handle: Any) -> Any:
         if self.cfg.router.engine_transport == "grpc":

@@ -159,19 +159,24 @@ def test_cold_conversations_sharing_a_short_head_spread():
     assert max(chosen.count(n) for n in names) <= 20
 
 
-def test_load_counts_the_engines_report_and_what_was_sent_since():
-    load = LoadTracker()
-    load.reported("r0", 5)  # other routers' requests are in the engine's own count
+def test_load_is_exact_for_own_requests_and_reported_for_other_routers():
+    load = LoadTracker(origin="me")
+    # The engine counts every router's requests; ours come from our own bookkeeping.
+    load.reported("r0", {"other": 5, "me": 3})
     assert load.inflight["r0"] == 5
-    e = load.acquire("r0", 100)
+    load.acquire("r0", 100)
     assert load.inflight["r0"] == 6
-    load.reported("r0", 6)  # the next count includes ours
+    assert load.pending_prefill["r0"] == 100
+    load.reported("r0", {"other": 5, "me": 1})  # a report that already includes ours
     assert load.inflight["r0"] == 6
-    load.release("r0", 0, e)  # in that count, and now finished: the count is one too high
+    load.release("r0", 100)
+    # Finished while the report that counted it was on its way: no phantom load remains.
     assert load.inflight["r0"] == 5
-    e2 = load.acquire("r1", 0)
-    load.release("r1", 0, e2)
-    assert load.inflight["r1"] == 0
+    assert load.pending_prefill["r0"] == 0
+    load.reported("r0", {"other": 2})
+    assert load.inflight["r0"] == 2
+    load.forget("r0")
+    assert load.inflight["r0"] == 0
 
 
 def test_admission_is_exact():
