@@ -39,6 +39,8 @@ class Result:
     """The router's own hop: request in → engine call issued."""
     loads: str = ""
     """The router's in-flight estimate per candidate at the decision ("engine-0:3 …")."""
+    costs: str = ""
+    """The policy's predicted cost (s) per candidate, where it has a cost model."""
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -72,7 +74,11 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   output_text="".join(text),
                   predicted_cached_tokens=ext.get("predicted_cached_tokens", -1),
                   engine_ttft_s=ext.get("engine_ttft_s"), router_s=ext.get("router_s"),
-                  loads=" ".join(f"{k}:{v}" for k, v in sorted((ext.get("loads") or {}).items())))
+                  loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")))
+
+
+def _pairs(d: dict | None) -> str:
+    return " ".join(f"{k}:{v}" for k, v in sorted((d or {}).items()))
 
 
 async def run_workload(url: str | list[str], model: str, workload: Workload,

@@ -186,6 +186,12 @@ class RouterConfig(_Strict):
     load_epsilon: float = Field(0.5, ge=0)
     """Bounded-load guard: no replica takes a request while its in-flight count exceeds
     (1 + ε) × the mean (+1), whatever its cache holds."""
+    load_slack: int = Field(4, ge=0)
+    """Bounded-load guard: in-flight requests a replica may carry above the mean before the
+    guard applies, however small the mean. Engines batch, so a few requests more is not a hot
+    spot; without it, at low load (a run's tail, a quiet hour) ⌈(1 + ε) × mean⌉ is a handful
+    and the guard moved conversations off their cache to save nothing (vllm-router's
+    cache_aware waits for an absolute gap of 32)."""
     min_match_fraction: float = Field(0.1, ge=0, le=1)
     """`affinity`: a cached prefix shorter than this fraction of the prompt does not count
     (like Ray Serve LLM's match-rate threshold): new conversations that share only a short

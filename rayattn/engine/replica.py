@@ -216,7 +216,12 @@ class EngineReplica:
             if generated > 1 and m.last_token_ts > m.first_token_ts:
                 itl = (m.last_token_ts - m.first_token_ts) / (generated - 1)
         return {"ttft_s": ttft, "prefill_s": prefill, "queue_s": queue, "e2e_s": now - start,
-                "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill"}
+                "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill",
+                # The prefill's span on the engine core's clock, so routers can measure the
+                # engine's throughput over overlapping requests (routing/policies.py).
+                "engine": self.replica_id,
+                "scheduled_ts": m.scheduled_ts if m is not None else 0.0,
+                "first_token_ts": (m.first_token_ts or 0.0) if m is not None else 0.0}
 
 
 def _replica_id(rank: int) -> str:

@@ -6,10 +6,11 @@ Decision; the same objects run in the ingress, the simulator and the unit tests.
     cost(r) = wait(r) + uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
     wait(r) = pending_prefill_tokens(r) × c_prefill + inflight(r) × c_decode
 
-subject to a bounded-load guard (inflight(r) + 1 ≤ ⌈(1+ε)(total+1)/n⌉), so affinity can
-never build a hot spot. Near-ties go to the conversation's session owner, then to the
-replica ranked first by rendezvous hashing of the prefix's first block: independent router
-replicas and followers of a re-homed prefix agree without talking to each other.
+subject to a bounded-load guard (inflight(r) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack), with
+m = (total+1)/n), so affinity can never build a hot spot. Near-ties go to the conversation's
+session owner, then to the replica ranked first by rendezvous hashing of the prefix's first
+block: independent router replicas and followers of a re-homed prefix agree without talking
+to each other.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,15 +67,35 @@ class CostModel:
     ctx_s_per_token: float
     decode_s_per_request: float
     alpha: float = 0.2
+    window: int = 64
+    """Finished prefills per engine that the prefill rate is measured over."""
+    _spans: dict[str, deque[tuple[float, float, int]]] = field(default_factory=dict)
+    _rates: dict[str, float] = field(default_factory=dict)
 
-    def observe_prefill(self, computed_tokens: int, cached_tokens: int, seconds: float) -> None:
-        """Refit c_prefill from an engine-reported prefill time (EWMA, outliers clipped)."""
-        if computed_tokens < 16 or seconds <= 0:
+    def observe_prefill(self, engine: str, start: float, end: float,
+                        computed_tokens: int) -> None:
+        """Refit c_prefill from an engine's prefill throughput: over its last `window`
+        prefills, the time during which any of them was in progress (the union of their
+        scheduled → first-token spans, on the engine's own clock) per token they computed.
+        One request's span alone covers every prompt batched with it: a cache hit that
+        computed 50 tokens next to cold prompts took seconds, which per token is 100× the
+        engine's rate and made every queued prefill look prohibitive. The fleet's rate is
+        the median engine's."""
+        if end <= start or computed_tokens < 0:
             return
-        ctx = cached_tokens * self.ctx_s_per_token
-        per_tok = max(seconds - ctx, seconds * 0.1) / computed_tokens
-        per_tok = min(per_tok, self.prefill_s_per_token * 10)
-        self.prefill_s_per_token += self.alpha * (per_tok - self.prefill_s_per_token)
+        spans = self._spans.setdefault(engine, deque(maxlen=self.window))
+        spans.append((start, end, computed_tokens))
+        tokens = sum(n for _, _, n in spans)
+        if tokens < 256:  # too little to measure: keep what we have
+            return
+        busy, reach = 0.0, float("-inf")
+        for a, b, _ in sorted(spans):
+            if b > reach:
+                busy += b - max(a, reach)
+                reach = b
+        self._rates[engine] = busy / tokens
+        rates = sorted(self._rates.values())
+        self.prefill_s_per_token = rates[len(rates) // 2]
 
     def observe_decode(self, itl_s: float | None, running: int = 1) -> None:
         """Refit what one in-flight request costs a newcomer: the marginal step time of one
@@ -151,16 +172,17 @@ class Affinity(Policy):
 
     def __init__(self, index: PrefixIndex, load: LoadTracker, block_size: int, *,
                  cost: CostModel, epsilon: float, min_match_fraction: float = 0.1,
-                 max_sessions: int = 100_000) -> None:
+                 slack: int = 0, max_sessions: int = 100_000) -> None:
         super().__init__(index, load, block_size)
-        self.cost, self.epsilon = cost, epsilon
+        self.cost, self.epsilon, self.slack = cost, epsilon, slack
         self.min_match_fraction = min_match_fraction
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._max_sessions = max_sessions
 
     def capacity(self, replicas: list[str]) -> int:
         total = sum(self.load.inflight[r] for r in replicas)
-        return math.ceil((1 + self.epsilon) * (total + 1) / len(replicas))
+        mean = (total + 1) / len(replicas)
+        return max(math.ceil((1 + self.epsilon) * mean), math.ceil(mean) + self.slack)
 
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
         matches = self.index.match(req.keys)
@@ -227,8 +249,10 @@ class Affinity(Policy):
     def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
                 running: int) -> None:
         if timings:
-            self.cost.observe_prefill(computed_tokens, cached_tokens,
-                                      timings.get("prefill_s", 0.0))
+            if timings.get("first_token_ts"):
+                self.cost.observe_prefill(timings.get("engine", ""),
+                                          timings["scheduled_ts"], timings["first_token_ts"],
+                                          computed_tokens)
             self.cost.observe_decode(timings.get("itl_s"), running)
 
 
@@ -278,7 +302,7 @@ def make_policy(name: str, index: PrefixIndex, load: LoadTracker, block_size: in
         cost = CostModel(rc.prefill_s_per_token, rc.extend_s_per_context_token,
                          rc.decode_s_per_request)
         return Affinity(index, load, block_size, cost=cost, epsilon=rc.load_epsilon,
-                        min_match_fraction=rc.min_match_fraction)
+                        min_match_fraction=rc.min_match_fraction, slack=rc.load_slack)
     if name == "round_robin":
         return RoundRobin(index, load, block_size)
     if name == "power_of_two":

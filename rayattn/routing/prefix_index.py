@@ -200,8 +200,13 @@ class EventIndex(PrefixIndex):
         self.reset(replica, [])
 
     def reset(self, replica: str, keys: Sequence[int]) -> None:
-        """Replace what `replica` holds with `keys` (a snapshot from its engine)."""
-        self.remove_replica(replica)
+        """Replace what `replica` holds with `keys` (a snapshot from its engine). The
+        speculative overlay stays: it stands for requests already sent there whose blocks
+        the engine has not stored yet, which a clear or a snapshot cannot know about.
+        (vLLM publishes a reset_prefix_cache's AllBlocksCleared with the engine's next
+        step, so it lands after the first requests of the next burst were routed; dropping
+        their overlay sent their siblings elsewhere to prefill the same prefix again.)"""
+        PrefixIndex.remove_replica(self, replica)
         self.add_replica(replica)
         self.stored(replica, keys)
 

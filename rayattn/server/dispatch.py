@@ -70,8 +70,8 @@ class Slot:
 
 
 # RouterConfig fields a policy is built from; other settings apply without rebuilding it.
-POLICY_FIELDS = ("policy", "load_epsilon", "min_match_fraction", "prefill_s_per_token",
-                 "extend_s_per_context_token", "decode_s_per_request",
+POLICY_FIELDS = ("policy", "load_epsilon", "load_slack", "min_match_fraction",
+                 "prefill_s_per_token", "extend_s_per_context_token", "decode_s_per_request",
                  "ray_prefix_match_rate_threshold", "ray_prefix_imbalanced_threshold")
 
 

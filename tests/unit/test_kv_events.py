@@ -119,3 +119,15 @@ def test_speculative_overlay_expires_and_yields_to_events():
     assert index.match([1]) == {"a": 1}  # truth does not expire
     index.reset("a", [5])  # a snapshot replaces everything a held
     assert index.match([1]) == {} and index.match([5]) == {"a": 1}
+
+
+def test_a_clear_keeps_the_requests_already_sent():
+    index = EventIndex(ttl_s=5.0, clock=lambda: 0.0)
+    index.add_replica("a")
+    index.stored("a", [2])  # cached before a reset_prefix_cache
+    index.insert("a", [1, 9])  # a request of the next burst, sent before the clear arrived
+    index.cleared("a")  # vLLM's AllBlocksCleared, published with the engine's next step
+    assert index.match([2]) == {}  # the old truth is gone...
+    assert index.match([1, 9]) == {"a": 2}  # ...the sent request's prefix is still there
+    index.remove_replica("a")  # the replica left: nothing of it stays
+    assert index.match([1, 9]) == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,12 +16,14 @@ from rayattn.routing.prefix_index import PrefixIndex
 BS = 16
 
 
-def fleet(n: int, policy: str = "affinity", eps: float = 0.5, cap: int = 10_000):
+def fleet(n: int, policy: str = "affinity", eps: float = 0.5, cap: int = 10_000,
+          slack: int = 0):
     idx, load = PrefixIndex(), LoadTracker()
     names = [f"r{i}" for i in range(n)]
     for r in names:
         idx.add_replica(r, cap)
-    pol = make_policy(policy, idx, load, BS, RouterConfig(load_epsilon=eps), seed=0)
+    pol = make_policy(policy, idx, load, BS, RouterConfig(load_epsilon=eps, load_slack=slack),
+                      seed=0)
     return pol, idx, load, names
 
 
@@ -135,12 +138,31 @@ def test_ray_prefix_policy_uses_text_and_falls_back_when_imbalanced():
     assert pol.choose(r2, names).reason == "power_of_two"
 
 
-def test_cost_model_refits_prefill_rate():
+def test_cost_model_measures_prefill_throughput_over_overlapping_requests():
     pol, *_ = fleet(2)
-    before = pol.cost.prefill_s_per_token
-    for _ in range(30):
-        pol.cost.observe_prefill(1000, 0, 1000 * before * 3)
-    assert pol.cost.prefill_s_per_token > before * 2
+    # 8 prompts batched together on one engine: 8 × 1000 tokens in 4 s of engine time, and
+    # every request's own span covers all 4 s (so does that of a 50-token cache hit).
+    for _ in range(8):
+        pol.cost.observe_prefill("e0", 100.0, 104.0, 1000)
+    pol.cost.observe_prefill("e0", 100.0, 104.0, 50)
+    assert pol.cost.prefill_s_per_token == pytest.approx(4.0 / 8050)
+    # A slower engine, measured on its own clock: the fleet takes the median engine's rate.
+    for i in range(4):
+        pol.cost.observe_prefill("e1", 7.0 + 2 * i, 9.0 + 2 * i, 250)
+    assert pol.cost.prefill_s_per_token == pytest.approx(8.0 / 1000)
+
+
+def test_load_slack_keeps_a_conversation_home_at_low_load():
+    """At a run's tail (7 vs 1 in flight) the ε bound alone (⌈1.5 × 4.5⌉ = 7) would move the
+    conversation off its cache; with the slack the replica may carry mean + 4."""
+    for slack, expected in ((0, "r1"), (4, "r0")):
+        pol, idx, load, names = fleet(2, slack=slack)
+        history = list(range(1, 101))  # a 1.6k-token conversation cached on r0
+        idx.insert("r0", history)
+        for _ in range(7):
+            load.acquire("r0", 0)
+        load.acquire("r1", 0)
+        assert pol.choose(req(history + [101]), names).replica == expected
 
 
 def test_cold_conversations_sharing_a_short_head_spread():
