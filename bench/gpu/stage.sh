@@ -3,7 +3,7 @@
 # vllm-router and orjson into .gpuwhl/b00..bNN (one device call each), the 32000-token
 # tokenizer, and a snapshot of rayattn + its unit tests into the last bundle.
 #
-#   echo /.gpuwhl/ >> .git/info/exclude
+#   echo /.gpuwhl/ >> "$(git rev-parse --git-dir)/info/exclude"
 #   bash bench/gpu/stage.sh [SHARED_GPU_DIR]      # default ../shared/gpu
 #
 # Then, on nvidia-h200-x2, back to back (the machine goes cold 30 s after a call):
