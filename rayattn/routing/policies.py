@@ -3,8 +3,14 @@ Decision; the same objects run in the ingress, the simulator and the unit tests.
 
 `affinity` minimises a predicted time to first token:
 
-    cost(r) = wait(r) + uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
+    cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
     wait(r) = pending_prefill_tokens(r) × c_prefill + inflight(r) × c_decode
+
+Uncached tokens count twice: once for this request's first token and once for the work they
+add in front of everything queued behind it on that engine. Counted once, a move that saves
+this request a millisecond of queue looks free even when it recomputes a conversation's
+history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain, 4 % of the reusable
+history lost over a run).
 
 subject to a bounded-load guard (inflight(r) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack), with
 m = (total+1)/n), so affinity can never build a hot spot. Near-ties go to the conversation's
@@ -200,7 +206,7 @@ class Affinity(Policy):
                 cached = 0
             wait = (self.load.pending_prefill[r] * c.prefill_s_per_token
                     + self.load.inflight[r] * c.decode_s_per_request)
-            costs[r] = (wait + (req.prompt_tokens - cached) * c.prefill_s_per_token
+            costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token)
         best = min(costs.values())
         # Costs within a few percent are indistinguishable given the model's error; decide
