@@ -184,8 +184,9 @@ class RouterConfig(_Strict):
     block index), `round_robin`, `power_of_two` (least in-flight of two random), `ray_prefix`
     (a text prefix tree like Ray Serve LLM's PrefixCacheAffinityRouter, for comparison)."""
     load_epsilon: float = Field(0.5, ge=0)
-    """Bounded-load guard: no replica takes a request while its in-flight count exceeds
-    (1 + ε) × the mean (+1), whatever its cache holds."""
+    """Bounded-load guard: no replica takes a request while its in-flight count exceeds the
+    larger of (1 + ε) × m and m + `load_slack` (m = the mean in-flight, counting this
+    request), whatever its cache holds."""
     load_slack: int = Field(4, ge=0)
     """Bounded-load guard: in-flight requests a replica may carry above the mean before the
     guard applies, however small the mean. Engines batch, so a few requests more is not a hot

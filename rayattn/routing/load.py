@@ -37,6 +37,8 @@ class LoadTracker:
         self.others[replica] = sum(n for o, n in by_origin.items() if o != self.origin)
 
     def acquire(self, replica: str, prefill_tokens: int) -> None:
+        """One request of this router sent to `replica`, `prefill_tokens` of it uncached;
+        released exactly once by `release`, however the call ends."""
         self.local[replica] += 1
         self.pending_prefill[replica] += prefill_tokens
 
@@ -48,8 +50,11 @@ class LoadTracker:
         self.prefill_done(replica, prefill_tokens_left)
 
     def forget(self, replica: str) -> None:
-        for d in (self.local, self.others, self.pending_prefill):
-            d.pop(replica, None)
+        """A replica left the set. Only the other routers' report goes: this router's own
+        counts drop as its calls to the replica end (each releases exactly once), and a
+        replica marked down on a transient error that rejoins at the next probe must not
+        have its still-running requests forgotten."""
+        self.others.pop(replica, None)
 
     def imbalance(self, replicas: list[str]) -> float:
         """max / mean in-flight (1.0 = perfectly even; 0 when idle)."""

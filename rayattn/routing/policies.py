@@ -1,22 +1,21 @@
 """Routing policies. Each takes the request's block keys and the live replicas and returns a
 Decision; the same objects run in the ingress, the simulator and the unit tests.
 
-`affinity` minimises a predicted time to first token:
+`affinity` minimises a predicted time to first token plus the prefill work it adds:
 
     cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
     wait(r) = pending_prefill_tokens(r) × c_prefill + inflight(r) × c_decode
-
-Uncached tokens count twice: once for this request's first token and once for the work they
-add in front of everything queued behind it on that engine. Counted once, a move that saves
-this request a millisecond of queue looks free even when it recomputes a conversation's
-history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain, 4 % of the reusable
-history lost over a run).
 
 subject to a bounded-load guard (inflight(r) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack), with
 m = (total+1)/n), so affinity can never build a hot spot. Near-ties go to the conversation's
 session owner, then to the replica ranked first by rendezvous hashing of the prefix's first
 block: independent router replicas and followers of a re-homed prefix agree without talking
 to each other.
+
+Uncached tokens count twice: once for this request's first token and once for the work they
+add in front of everything queued behind it on that engine. Counted once, a move that saves
+this request a millisecond of queue looks free even when it recomputes a conversation's
+history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain).
 """
 
 from __future__ import annotations
@@ -75,8 +74,9 @@ class CostModel:
     alpha: float = 0.2
     window: int = 64
     """Finished prefills per engine that the prefill rate is measured over."""
-    _spans: dict[str, deque[tuple[float, float, int]]] = field(default_factory=dict)
-    _rates: dict[str, float] = field(default_factory=dict)
+    _spans: dict[str, deque[tuple[float, float, int]]] = field(
+        default_factory=dict, init=False, repr=False)
+    _rates: dict[str, float] = field(default_factory=dict, init=False, repr=False)
 
     def observe_prefill(self, engine: str, start: float, end: float,
                         computed_tokens: int) -> None:
@@ -86,7 +86,10 @@ class CostModel:
         One request's span alone covers every prompt batched with it: a cache hit that
         computed 50 tokens next to cold prompts took seconds, which per token is 100× the
         engine's rate and made every queued prefill look prohibitive. The fleet's rate is
-        the median engine's."""
+        the upper median engine's (of two engines the slower one's: pricing prefill on the
+        slow side keeps conversations home). Only this router's requests are measured; with
+        several routers sharing an engine the others' prefills fill the same spans, so the
+        rate errs slow (docs/routing.md)."""
         if end <= start or computed_tokens < 0:
             return
         spans = self._spans.setdefault(engine, deque(maxlen=self.window))
@@ -102,6 +105,13 @@ class CostModel:
         self._rates[engine] = busy / tokens
         rates = sorted(self._rates.values())
         self.prefill_s_per_token = rates[len(rates) // 2]
+
+    def forget(self, engine: str) -> None:
+        """A departed engine's rate must not stay in the fleet's median."""
+        self._spans.pop(engine, None)
+        if self._rates.pop(engine, None) is not None and self._rates:
+            rates = sorted(self._rates.values())
+            self.prefill_s_per_token = rates[len(rates) // 2]
 
     def observe_decode(self, itl_s: float | None, running: int = 1) -> None:
         """Refit what one in-flight request costs a newcomer: the marginal step time of one
@@ -251,6 +261,7 @@ class Affinity(Policy):
     def forget_replica(self, replica: str) -> None:
         for s in [s for s, r in self._sessions.items() if r == replica]:
             del self._sessions[s]
+        self.cost.forget(replica)
 
     def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
                 running: int) -> None:

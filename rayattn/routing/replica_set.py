@@ -3,8 +3,9 @@
 A replica is out only when Ray says its actor is dead or its engine says it is dead
 (`check_health` raising inside `info()`): a slow answer proves nothing under saturation, so
 a probe that times out leaves the replica up and its cache view intact. A new PID means
-Serve replaced the replica (its cache starts empty). The same poll brings each engine's own
-count of unfinished requests, the load every router replica sees alike.
+Serve replaced the replica (its cache starts empty). The same poll brings each engine's count
+of the requests in it per sending router, from which every router takes the others' load
+(routing/load.py).
 
 Probes go to the engine deployment next to generation traffic; the engine deployment's
 Serve limit leaves room for them (rayattn/app.py), so they never queue behind generation.

@@ -328,7 +328,9 @@ class Dispatcher:
         full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens[:-1],
                                        route.block_hashes)
         self.policy.on_complete(d.replica, [to_key(h) for h in full])
-        t = last.timings
+        # Keyed by the router's replica name (not the engine's Serve tag, which changes with
+        # every restart) so a departed replica's measured speed leaves with it.
+        t = {**last.timings, "engine": d.replica} if last.timings else last.timings
         self.policy.observe(last.prompt_tokens - last.num_cached_tokens,
                             last.num_cached_tokens, t, self.load.inflight[d.replica])
         if self.metrics is not None:

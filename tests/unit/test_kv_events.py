@@ -122,12 +122,16 @@ def test_speculative_overlay_expires_and_yields_to_events():
 
 
 def test_a_clear_keeps_the_requests_already_sent():
-    index = EventIndex(ttl_s=5.0, clock=lambda: 0.0)
+    now = [0.0]
+    index = EventIndex(ttl_s=5.0, clock=lambda: now[0])
     index.add_replica("a")
     index.stored("a", [2])  # cached before a reset_prefix_cache
     index.insert("a", [1, 9])  # a request of the next burst, sent before the clear arrived
     index.cleared("a")  # vLLM's AllBlocksCleared, published with the engine's next step
     assert index.match([2]) == {}  # the old truth is gone...
     assert index.match([1, 9]) == {"a": 2}  # ...the sent request's prefix is still there
-    index.remove_replica("a")  # the replica left: nothing of it stays
+    now[0] = 6.0  # a kept guess still expires if no event confirms it
     assert index.match([1, 9]) == {}
+    index.insert("a", [3])
+    index.remove_replica("a")  # the replica left: nothing of it stays
+    assert index.match([3]) == {}

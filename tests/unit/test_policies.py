@@ -146,10 +146,39 @@ def test_cost_model_measures_prefill_throughput_over_overlapping_requests():
         pol.cost.observe_prefill("e0", 100.0, 104.0, 1000)
     pol.cost.observe_prefill("e0", 100.0, 104.0, 50)
     assert pol.cost.prefill_s_per_token == pytest.approx(4.0 / 8050)
-    # A slower engine, measured on its own clock: the fleet takes the median engine's rate.
+    # A slower engine, measured on its own clock, busy 1 s in every 2 (idle gaps are not
+    # prefill time): the fleet takes the upper median engine's rate, of two the slower.
     for i in range(4):
-        pol.cost.observe_prefill("e1", 7.0 + 2 * i, 9.0 + 2 * i, 250)
-    assert pol.cost.prefill_s_per_token == pytest.approx(8.0 / 1000)
+        pol.cost.observe_prefill("e1", 7.0 + 2 * i, 8.0 + 2 * i, 250)
+    assert pol.cost.prefill_s_per_token == pytest.approx(4.0 / 1000)
+    # The slower engine leaves: its rate leaves the median with it.
+    pol.forget_replica("e1")
+    assert pol.cost.prefill_s_per_token == pytest.approx(4.0 / 8050)
+
+
+def test_a_move_must_pay_for_the_prefill_it_adds():
+    """A conversation's home holds its 1.6k-token history; the other replica holds only the
+    shared 1k-token system prompt and 7 ms less queued. Counting the recompute once, the move
+    looks cheaper (7.1 vs 8.9 ms); counted also as work put before the queue, it is not."""
+    pol, idx, load, names = fleet(2)
+    pol.cost.prefill_s_per_token, pol.cost.ctx_s_per_token = 1e-5, 1e-6
+    pol.cost.decode_s_per_request = 1e-4
+    system, history = list(range(1, 65)), list(range(100, 136))
+    idx.insert("r0", system + history)
+    idx.insert("r1", system)
+    load.acquire("r0", 700)  # queued prefill: 7 ms at home, none on r1
+    load.acquire("r1", 0)
+    d = pol.choose(req(system + history + [999]), names)
+    assert d.replica == "r0"
+    # Without the home's history the move is right: the other replica is chosen.
+    pol2, idx2, load2, _ = fleet(2)
+    pol2.cost.prefill_s_per_token, pol2.cost.ctx_s_per_token = 1e-5, 1e-6
+    pol2.cost.decode_s_per_request = 1e-4
+    idx2.insert("r0", system)
+    idx2.insert("r1", system)
+    load2.acquire("r0", 700)
+    load2.acquire("r1", 0)
+    assert pol2.choose(req(system + history + [999]), names).replica == "r1"
 
 
 def test_load_slack_keeps_a_conversation_home_at_low_load():
@@ -197,8 +226,11 @@ def test_load_is_exact_for_own_requests_and_reported_for_other_routers():
     assert load.pending_prefill["r0"] == 0
     load.reported("r0", {"other": 2})
     assert load.inflight["r0"] == 2
-    load.forget("r0")
-    assert load.inflight["r0"] == 0
+    load.acquire("r0", 10)
+    load.forget("r0")  # marked down (e.g. a transient RPC error) while ours still runs
+    assert load.inflight["r0"] == 1  # the other routers' report is gone, ours is not
+    load.release("r0", 10)  # the running call ends and releases exactly once
+    assert load.inflight["r0"] == 0 and load.pending_prefill["r0"] == 0
 
 
 def test_admission_is_exact():
