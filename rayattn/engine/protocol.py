@@ -36,6 +36,10 @@ class Chunk:
     served_by: dict[str, Any] = field(default_factory=dict)
     """On the final chunk: the engine's own identity (rank name, replica, pid), so clients
     and tests can check where a request really ran, independently of the router."""
+    inflight_by_origin: dict[str, int] | None = None
+    """On the first and the final chunk: the engine's in-flight requests per sending router
+    at that moment. Fresher than the periodic probe, which under saturation can lag by
+    seconds: with several routers a stale report of the others' load fired the guard."""
 
     def merge(self, later: Chunk) -> None:
         """Append a later delta of the same request to this one."""
@@ -46,3 +50,4 @@ class Chunk:
         self.completion_tokens = later.completion_tokens
         self.timings = later.timings or self.timings
         self.served_by = later.served_by or self.served_by
+        self.inflight_by_origin = later.inflight_by_origin or self.inflight_by_origin

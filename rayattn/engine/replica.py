@@ -195,6 +195,8 @@ class EngineReplica:
             # the HTTP proxy: per token that costs more than a GPU decode step. The first
             # token goes at once (TTFT); later deltas are merged until `stream_interval_s`
             # has passed since the last item (the whole answer at once for non-streaming).
+            if out.finished or last_sent is None:
+                chunk.inflight_by_origin = dict(self._inflight_by_origin)
             if pending is None:
                 pending = chunk
             else:

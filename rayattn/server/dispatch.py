@@ -297,6 +297,8 @@ class Dispatcher:
                 if prefill_pending:
                     self.load.prefill_done(replica, uncached)
                     prefill_pending = False
+                if chunk.inflight_by_origin is not None:
+                    self.load.reported(replica, chunk.inflight_by_origin)
                 out_tokens.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     try:
