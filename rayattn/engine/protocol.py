@@ -40,6 +40,8 @@ class Chunk:
     """On the first and the final chunk: the engine's in-flight requests per sending router
     at that moment. Fresher than the periodic probe, which under saturation can lag by
     seconds: with several routers a stale report of the others' load fired the guard."""
+    inflight_stamp: tuple[int, int] | None = None
+    """(engine pid, change counter) of `inflight_by_origin`, so the newest report wins."""
 
     def merge(self, later: Chunk) -> None:
         """Append a later delta of the same request to this one."""
@@ -50,4 +52,6 @@ class Chunk:
         self.completion_tokens = later.completion_tokens
         self.timings = later.timings or self.timings
         self.served_by = later.served_by or self.served_by
-        self.inflight_by_origin = later.inflight_by_origin or self.inflight_by_origin
+        if later.inflight_by_origin is not None:
+            self.inflight_by_origin = later.inflight_by_origin
+            self.inflight_stamp = later.inflight_stamp

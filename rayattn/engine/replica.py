@@ -90,6 +90,10 @@ class EngineReplica:
             "kv_events": kv_endpoint,
         }
         self._inflight_by_origin: Counter[str] = Counter()
+        # Bumped on every change of the counts: reports taken at different moments (a probe
+        # reply, chunks of concurrent requests) reach a router in any order, and it keeps
+        # only the newest (routing/load.py).
+        self._inflight_seq = 0
         self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                               exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._info)
@@ -106,7 +110,11 @@ class EngineReplica:
                                       "platform": self.cfg.platform.kind})
         return {**self._info, **(await compat.engine_device_info(self)),
                 "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
-                "inflight_by_origin": dict(self._inflight_by_origin)}
+                "inflight_by_origin": dict(self._inflight_by_origin),
+                "inflight_stamp": self._inflight_stamp()}
+
+    def _inflight_stamp(self) -> tuple[int, int]:
+        return (os.getpid(), self._inflight_seq)
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
@@ -141,11 +149,13 @@ class EngineReplica:
 
     async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
         self._inflight_by_origin[req.origin] += 1
+        self._inflight_seq += 1
         try:
             async for chunk in self._generate(req):
                 yield chunk
         finally:
             self._inflight_by_origin[req.origin] -= 1
+            self._inflight_seq += 1
             if self._inflight_by_origin[req.origin] <= 0:
                 del self._inflight_by_origin[req.origin]
 
@@ -197,6 +207,7 @@ class EngineReplica:
             # has passed since the last item (the whole answer at once for non-streaming).
             if out.finished or last_sent is None:
                 chunk.inflight_by_origin = dict(self._inflight_by_origin)
+                chunk.inflight_stamp = self._inflight_stamp()
             if pending is None:
                 pending = chunk
             else:

@@ -2,7 +2,9 @@
 router replicas' requests as the engine last reported them.
 
 Every engine replica counts its in-flight requests by the router that sent them (the
-`origin` of each GenerateRequest) and reports those counts with each probe. A router takes
+`origin` of each GenerateRequest) and reports those counts with each probe and on the first
+and final chunk of every request, stamped (pid, change counter) so that a router keeps the
+newest report whatever order they arrive in. A router takes
 its own share from its own bookkeeping, which is never stale, and only the others' share
 from the report:
 
@@ -30,10 +32,19 @@ class LoadTracker:
         """Other routers' requests in flight on each replica, as its engine last reported."""
         self.pending_prefill: dict[str, int] = defaultdict(int)
         """Tokens dispatched to a replica whose first token has not come back yet."""
+        self._stamps: dict[str, tuple[int, int]] = {}
         self.inflight = _Inflight(self)
 
-    def reported(self, replica: str, by_origin: Mapping[str, int]) -> None:
-        """An engine's count of its in-flight requests per sending router."""
+    def reported(self, replica: str, by_origin: Mapping[str, int],
+                 stamp: tuple[int, int] | None = None) -> None:
+        """An engine's count of its in-flight requests per sending router; a report older
+        than one already applied (same engine process, lower counter) is dropped."""
+        last = self._stamps.get(replica)
+        if stamp is not None:
+            stamp = (int(stamp[0]), int(stamp[1]))
+            if last is not None and last[0] == stamp[0] and stamp[1] < last[1]:
+                return
+            self._stamps[replica] = stamp
         self.others[replica] = sum(n for o, n in by_origin.items() if o != self.origin)
 
     def acquire(self, replica: str, prefill_tokens: int) -> None:
@@ -55,6 +66,7 @@ class LoadTracker:
         replica marked down on a transient error that rejoins at the next probe must not
         have its still-running requests forgotten."""
         self.others.pop(replica, None)
+        self._stamps.pop(replica, None)
 
     def imbalance(self, replicas: list[str]) -> float:
         """max / mean in-flight (1.0 = perfectly even; 0 when idle)."""

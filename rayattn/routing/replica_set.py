@@ -79,6 +79,10 @@ class ReplicaSet:
     def live(self) -> list[str]:
         return [n for n, r in self.replicas.items() if r.up]
 
+    def is_up(self, name: str) -> bool:
+        r = self.replicas.get(name)
+        return r is not None and r.up
+
     async def start(self) -> None:
         """Start probing (once, however many requests call this at once) and return when
         the first round is done."""

@@ -91,7 +91,8 @@ class Dispatcher:
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
         self.replicas = ReplicaSet(
             engines, self._joined, self._left,
-            on_info=lambda r: self.load.reported(r.name, r.info.get("inflight_by_origin", {})))
+            on_info=lambda r: self.load.reported(r.name, r.info.get("inflight_by_origin", {}),
+                                                 r.info.get("inflight_stamp")))
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
@@ -297,8 +298,8 @@ class Dispatcher:
                 if prefill_pending:
                     self.load.prefill_done(replica, uncached)
                     prefill_pending = False
-                if chunk.inflight_by_origin is not None:
-                    self.load.reported(replica, chunk.inflight_by_origin)
+                if chunk.inflight_by_origin is not None and self.replicas.is_up(replica):
+                    self.load.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
                 out_tokens.extend(chunk.token_ids)
                 if chunk.finish_reason is not None:
                     try:
