@@ -77,7 +77,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")))
 
 
-def _pairs(d: dict | None) -> str:
+def _pairs(d: dict[str, Any] | None) -> str:
     return " ".join(f"{k}:{v}" for k, v in sorted((d or {}).items()))
 
 

@@ -32,7 +32,7 @@ class Chunk:
     completion_tokens: int = 0
     timings: dict[str, Any] = field(default_factory=dict)
     """On the final chunk: ttft_s, prefill_s, queue_s, e2e_s, itl_s, path, and the prefill's
-    span on the engine's clock (engine, scheduled_ts, first_token_ts)."""
+    span on the engine's clock (scheduled_ts, first_token_ts)."""
     served_by: dict[str, Any] = field(default_factory=dict)
     """On the final chunk: the engine's own identity (rank name, replica, pid), so clients
     and tests can check where a request really ran, independently of the router."""

@@ -110,11 +110,13 @@ class EngineReplica:
                                       "platform": self.cfg.platform.kind})
         return {**self._info, **(await compat.engine_device_info(self)),
                 "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
-                "inflight_by_origin": dict(self._inflight_by_origin),
-                "inflight_stamp": self._inflight_stamp()}
+                **self._inflight_report()}
 
-    def _inflight_stamp(self) -> tuple[int, int]:
-        return (os.getpid(), self._inflight_seq)
+    def _inflight_report(self) -> dict[str, Any]:
+        """This engine's in-flight requests per sending router, stamped (pid, change
+        counter): sent with every probe and on each request's first and final chunk."""
+        return {"inflight_by_origin": dict(self._inflight_by_origin),
+                "inflight_stamp": (os.getpid(), self._inflight_seq)}
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
@@ -206,8 +208,9 @@ class EngineReplica:
             # token goes at once (TTFT); later deltas are merged until `stream_interval_s`
             # has passed since the last item (the whole answer at once for non-streaming).
             if out.finished or last_sent is None:
-                chunk.inflight_by_origin = dict(self._inflight_by_origin)
-                chunk.inflight_stamp = self._inflight_stamp()
+                report = self._inflight_report()
+                chunk.inflight_by_origin = report["inflight_by_origin"]
+                chunk.inflight_stamp = report["inflight_stamp"]
             if pending is None:
                 pending = chunk
             else:
@@ -232,7 +235,6 @@ class EngineReplica:
                 "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill",
                 # The prefill's span on the engine core's clock, so routers can measure the
                 # engine's throughput over overlapping requests (routing/policies.py).
-                "engine": self.replica_id,
                 "scheduled_ts": m.scheduled_ts if m is not None else 0.0,
                 "first_token_ts": (m.first_token_ts or 0.0) if m is not None else 0.0}
 

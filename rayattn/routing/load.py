@@ -41,7 +41,6 @@ class LoadTracker:
         than one already applied (same engine process, lower counter) is dropped."""
         last = self._stamps.get(replica)
         if stamp is not None:
-            stamp = (int(stamp[0]), int(stamp[1]))
             if last is not None and last[0] == stamp[0] and stamp[1] < last[1]:
                 return
             self._stamps[replica] = stamp
@@ -87,6 +86,6 @@ class _Inflight:
     def get(self, replica: str, default: int = 0) -> int:
         return self[replica]
 
-    def items(self):
+    def items(self) -> list[tuple[str, int]]:
         names = set(self._t.local) | set(self._t.others)
         return [(r, self[r]) for r in names]

@@ -103,13 +103,16 @@ class CostModel:
                 busy += b - max(a, reach)
                 reach = b
         self._rates[engine] = busy / tokens
-        rates = sorted(self._rates.values())
-        self.prefill_s_per_token = rates[len(rates) // 2]
+        self._refit_fleet()
 
     def forget(self, engine: str) -> None:
         """A departed engine's rate must not stay in the fleet's median."""
         self._spans.pop(engine, None)
-        if self._rates.pop(engine, None) is not None and self._rates:
+        if self._rates.pop(engine, None) is not None:
+            self._refit_fleet()
+
+    def _refit_fleet(self) -> None:
+        if self._rates:
             rates = sorted(self._rates.values())
             self.prefill_s_per_token = rates[len(rates) // 2]
 
@@ -149,9 +152,10 @@ class Policy:
     def forget_replica(self, replica: str) -> None:
         pass
 
-    def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
+    def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],
                 running: int) -> None:
-        """Engine timings of a finished request (policies with a cost model learn here)."""
+        """Engine timings of a request finished on `replica` (policies with a cost model
+        learn here)."""
 
 
 class RoundRobin(Policy):
@@ -263,13 +267,14 @@ class Affinity(Policy):
             del self._sessions[s]
         self.cost.forget(replica)
 
-    def observe(self, computed_tokens: int, cached_tokens: int, timings: dict[str, Any],
+    def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],
                 running: int) -> None:
         if timings:
+            # Keyed by the router's replica name (not the engine's Serve tag, which changes
+            # with every restart) so a departed replica's measured speed leaves with it.
             if timings.get("first_token_ts"):
-                self.cost.observe_prefill(timings.get("engine", ""),
-                                          timings["scheduled_ts"], timings["first_token_ts"],
-                                          computed_tokens)
+                self.cost.observe_prefill(replica, timings["scheduled_ts"],
+                                          timings["first_token_ts"], computed_tokens)
             self.cost.observe_decode(timings.get("itl_s"), running)
 
 

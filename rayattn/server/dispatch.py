@@ -331,11 +331,9 @@ class Dispatcher:
         full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens[:-1],
                                        route.block_hashes)
         self.policy.on_complete(d.replica, [to_key(h) for h in full])
-        # Keyed by the router's replica name (not the engine's Serve tag, which changes with
-        # every restart) so a departed replica's measured speed leaves with it.
-        t = {**last.timings, "engine": d.replica} if last.timings else last.timings
-        self.policy.observe(last.prompt_tokens - last.num_cached_tokens,
-                            last.num_cached_tokens, t, self.load.inflight[d.replica])
+        t = last.timings
+        self.policy.observe(d.replica, last.prompt_tokens - last.num_cached_tokens, t,
+                            self.load.inflight[d.replica])
         if self.metrics is not None:
             self.metrics.outcome(d.predicted_cached_tokens, last.num_cached_tokens,
                                  last.prompt_tokens, t.get("e2e_s", 0.0) if t else 0.0)
