@@ -28,14 +28,16 @@ os.environ.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_NO_USAGE_ST
 
 
 async def batch(engine, n: int, tokens: int) -> float:
-    from rayattn.engine.protocol import GenerateRequest
+    from rayattn.engine.protocol import OpenAIRequest
 
     async def one(i: int) -> int:
-        req = GenerateRequest(uuid.uuid4().hex, [1, 2, 3, 100 + i] * 8,
-                              {"max_tokens": tokens, "ignore_eos": True, "temperature": 0})
+        rid = uuid.uuid4().hex
+        req = OpenAIRequest("completion", {"model": "smollm2", "prompt": [1, 2, 3, 100 + i] * 8,
+                                           "max_tokens": tokens, "ignore_eos": True,
+                                           "temperature": 0, "request_id": rid}, rid)
         got = 0
-        async for ch in engine.generate(req):
-            got += len(ch.token_ids)
+        async for item in engine.serve(req):
+            got += item.completion_tokens if item.final else 0
         return got
 
     t0 = time.monotonic()

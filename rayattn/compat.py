@@ -6,6 +6,10 @@ a feature can be probed) and degrades to a safe answer when vLLM is absent, so t
 `rayattn check`, the KubeRay renderer and the unit tests run anywhere.
 
 Differences handled here:
+  * vLLM's OpenAI serving layer: init_app_state, init_render_app_state, FrontendArgs and
+    ErrorResponse moved from vllm.entrypoints.openai.* (0.25) to vllm.entrypoints.launchers.*
+    and vllm.entrypoints.serve.* (0.32); 0.25's engine-free renderer has no structured-outputs
+    config of its own (it reads the reasoning parser from the arguments).
   * per-step metrics: `SchedulerStats.iteration_details` exists in 0.32 but not in 0.25, where
     `enable_logging_iteration_details` only logs one INFO line per engine step. The flag is set
     only where the field exists; elsewhere one warning is logged once and the
@@ -336,3 +340,142 @@ def client_error_types() -> tuple[type[BaseException], ...]:
     except ImportError:
         pass
     return tuple(types)
+
+
+# --- vLLM's OpenAI serving layer -------------------------------------------------------------
+def _first_attr(modules: tuple[str, ...], name: str) -> Any:
+    """`name` from the first of `modules` that has it (vLLM moves its entrypoints around
+    between releases; the candidates are listed newest first)."""
+    import importlib
+
+    errors = []
+    for m in modules:
+        try:
+            return getattr(importlib.import_module(m), name)
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{m}: {e}")
+    raise ImportError(f"{name} not found in vLLM {vllm_version()}: " + "; ".join(errors))
+
+
+_PROTOCOL = {
+    "chat": (("vllm.entrypoints.openai.chat_completion.protocol",
+              "vllm.entrypoints.openai.protocol"), "ChatCompletionRequest"),
+    "completion": (("vllm.entrypoints.openai.completion.protocol",
+                    "vllm.entrypoints.openai.protocol"), "CompletionRequest"),
+    "error": (("vllm.entrypoints.serve.engine.protocol",
+               "vllm.entrypoints.openai.engine.protocol",
+               "vllm.entrypoints.openai.protocol"), "ErrorResponse"),
+}
+
+
+@functools.cache
+def openai_model(kind: str) -> type:
+    """vLLM's pydantic model of an OpenAI body: `chat`, `completion` or `error`."""
+    modules, name = _PROTOCOL[kind]
+    return _first_attr(modules, name)
+
+
+def frontend_namespace(engine_kwargs: dict[str, Any], frontend: dict[str, Any],
+                       vllm_config: Any) -> Any:
+    """The argparse Namespace `vllm serve` would hand vLLM's init_app_state: the engine's
+    arguments plus the frontend's (chat template, parsers), with the structured-outputs
+    config the engine resolved (it carries the reasoning parser init_app_state reads)."""
+    import argparse
+
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    front_cls = _first_attr(("vllm.entrypoints.launchers.cli_args",
+                             "vllm.entrypoints.openai.cli_args"), "FrontendArgs")
+    known = {f.name for f in dataclasses.fields(front_cls)}
+    ns = argparse.Namespace(**{**vars(front_cls(**{k: v for k, v in frontend.items()
+                                                    if k in known})),
+                               **vars(AsyncEngineArgs(**engine_kwargs))})
+    ns.structured_outputs_config = vllm_config.structured_outputs_config
+    for k, v in frontend.items():
+        setattr(ns, k, v)
+    return ns
+
+
+async def init_openai_state(engine_client: Any, args: Any) -> Any:
+    """vLLM's own OpenAI serving objects over `engine_client`, as `vllm serve` builds them
+    (state.openai_serving_chat, openai_serving_completion, openai_serving_models)."""
+    import inspect
+
+    from starlette.datastructures import State
+
+    init = _first_attr(("vllm.entrypoints.launchers.api_server.app_state",
+                        "vllm.entrypoints.openai.api_server"), "init_app_state")
+    state = State()
+    kw: dict[str, Any] = {}
+    params = inspect.signature(init).parameters
+    if "supported_tasks" in params:
+        kw["supported_tasks"] = await engine_client.get_supported_tasks()
+    if "vllm_config" in params:
+        kw["vllm_config"] = engine_client.vllm_config
+    await init(engine_client, state, args, **kw)
+    return state
+
+
+async def render_state(engine_kwargs: dict[str, Any], frontend: dict[str, Any]) -> Any:
+    """vLLM's engine-free renderer (what `vllm launch render` serves), for the router: the
+    engines' chat template, tokenizer and parsers without an engine or a GPU. Returns the
+    state whose `online_renderer` renders chat and completion requests."""
+    from starlette.datastructures import State
+    from vllm.config import VllmConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    init = _first_attr(("vllm.entrypoints.launchers.render.app_state",
+                        "vllm.entrypoints.openai.api_server"), "init_render_app_state")
+    engine_args = AsyncEngineArgs(**engine_kwargs)
+    model_config = engine_args.create_model_config()
+    # Rendering needs no kernels: no quantization checks against this process's device.
+    model_config.quantization = None
+    extra: dict[str, Any] = {}
+    if hasattr(engine_args, "create_structured_outputs_config"):  # 0.32; 0.25 reads args
+        extra["structured_outputs_config"] = engine_args.create_structured_outputs_config()
+    vllm_config = VllmConfig(model_config=model_config, **extra)
+    args = frontend_namespace(engine_kwargs, frontend, vllm_config)
+    state = State()
+    await init(vllm_config, state, args)
+    return state
+
+
+def prompt_token_ids(engine_input: Any) -> list[int]:
+    """The token ids of one rendered prompt (vLLM's EngineInput / TokensPrompt)."""
+    ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) \
+        else getattr(engine_input, "prompt_token_ids", None)
+    return list(ids or [])
+
+
+# --- parser registries ----------------------------------------------------------------------
+_REGISTRIES = {"reasoning": ("vllm.reasoning", "_REASONING_PARSERS_TO_REGISTER"),
+               "tool": ("vllm.tool_parsers", "_TOOL_PARSERS_TO_REGISTER")}
+
+
+@functools.cache
+def parser_names(kind: str) -> frozenset[str] | None:
+    """Names of the installed vLLM's reasoning (`kind="reasoning"`) or tool-call (`"tool"`)
+    parsers, read from the registry table in the package's __init__ without importing vLLM
+    (that takes seconds and `rayattn check` runs anywhere); None without vLLM or where the
+    table is not found (then nothing is checked)."""
+    import ast
+
+    package, table = _REGISTRIES[kind]
+    try:
+        spec = importlib.util.find_spec("vllm")
+        if spec is None or not spec.submodule_search_locations:
+            return None
+        root = os.path.join(list(spec.submodule_search_locations)[0],
+                            *package.split(".")[1:], "__init__.py")
+        with open(root) as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ImportError, ValueError):
+        return None
+    for node in tree.body:
+        target = node.target if isinstance(node, ast.AnnAssign) else (
+            node.targets[0] if isinstance(node, ast.Assign) else None)
+        if isinstance(target, ast.Name) and target.id == table and \
+                isinstance(node.value, ast.Dict):
+            return frozenset(k.value for k in node.value.keys
+                             if isinstance(k, ast.Constant) and isinstance(k.value, str))
+    return None

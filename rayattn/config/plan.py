@@ -9,6 +9,7 @@ renderer consume, so the three never disagree.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rayattn import backends
@@ -142,6 +143,25 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
         p.append("engine.max_num_batched_tokens: must be ≥ model.max_model_len when "
                  "enable_chunked_prefill is false")
     p += _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
+    p += _check_frontend(cfg.model)
+    return p
+
+
+def _check_frontend(m: Any) -> list[str]:
+    """Parser names against the installed vLLM's registries (skipped without vLLM), and a
+    chat template given as a path must exist (vLLM would take a mistyped path for a
+    one-line template)."""
+    from rayattn import compat
+
+    p = []
+    for name_field, kind in (("reasoning_parser", "reasoning"), ("tool_call_parser", "tool")):
+        name, known = getattr(m, name_field), compat.parser_names(kind)
+        if name is not None and known is not None and name not in known:
+            p.append(f"model.{name_field}: {name!r} is not a {kind} parser of the installed vLLM "
+                     f"{compat.vllm_version()} (known: {', '.join(sorted(known))})")
+    t = m.chat_template
+    if t is not None and not any(c in t for c in "{}\n") and not Path(t).expanduser().is_file():
+        p.append(f"model.chat_template: {t!r} is neither a file nor a Jinja template")
     return p
 
 
@@ -234,6 +254,7 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
         dtype="float32" if m.dtype == "auto" and cfg.platform.kind == "cpu" else m.dtype,
         max_model_len=m.max_model_len,
         trust_remote_code=m.trust_remote_code,
+        reasoning_parser=m.reasoning_parser,
         attention_backend=spec.name,
         kv_cache_dtype=cfg.attention.kv_cache_dtype,
         block_size=block_size,
@@ -262,3 +283,18 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.update(e.extra_engine_kwargs)
     return kw
+
+
+def frontend_kwargs(cfg: RayAttnConfig) -> dict[str, Any]:
+    """vLLM's OpenAI frontend settings (`vllm serve` flags beyond the engine's): the same for
+    the engines' serving layer and the routers' renderer, so both render prompts alike."""
+    m = cfg.model
+    return {
+        "chat_template": m.chat_template,
+        "tool_call_parser": m.tool_call_parser,
+        "enable_auto_tool_choice": m.tool_call_parser is not None,
+        "reasoning_parser": m.reasoning_parser,
+        # usage.prompt_tokens_details.cached_tokens: clients see their prefix-cache hits.
+        "enable_prompt_tokens_details": True,
+        "served_model_name": [m.name],
+    }

@@ -84,6 +84,16 @@ class ModelConfig(_Strict):
     """Allow custom modelling code from the model repository (Kimi-K2 needs it)."""
     architecture: ArchitectureOverride | None = None
     """Fallback architecture facts for `rayattn check` (see ArchitectureOverride)."""
+    reasoning_parser: str | None = None
+    """vLLM reasoning parser (`deepseek_r1`, `qwen3`, …): splits the model's thinking into
+    `reasoning_content` and keeps structured outputs from constraining it. Checked against
+    the installed vLLM's registry by `rayattn check`."""
+    tool_call_parser: str | None = None
+    """vLLM tool-call parser (`deepseek_v3`, `hermes`, …): turns tool calls in the output
+    into `tool_calls`, and enables `tool_choice: auto` (vLLM's --enable-auto-tool-choice)."""
+    chat_template: str | None = None
+    """A Jinja chat template (a file path, or the template itself) replacing the model's
+    own, as `vllm serve --chat-template`; engines and routers render with the same one."""
 
     @property
     def name(self) -> str:

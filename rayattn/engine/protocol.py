@@ -1,20 +1,22 @@
-"""What the router sends an engine replica and what comes back, per streamed chunk."""
+"""What the router sends an engine replica and what comes back, item by streamed item."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 
 @dataclass
-class GenerateRequest:
+class OpenAIRequest:
+    kind: Literal["chat", "completion"]
+    body: dict[str, Any]
+    """The client's JSON body, validated by the router with vLLM's own request model; its
+    `request_id` is the request's id (x-request-id), which vLLM prefixes into the engine
+    request id and the response's `id`."""
     request_id: str
-    prompt_token_ids: list[int]
-    sampling: dict[str, Any]
-    """Keyword arguments of vllm.SamplingParams (validated by the router)."""
     stream_interval_s: float = 0.0
-    """After the first token, merge output deltas into one chunk per this interval
-    (infinity: first token, then the rest at the end)."""
+    """A streamed response's SSE events are merged into one item per this interval after
+    the first (each item is a Ray streaming message through three processes)."""
     log: bool = False
     """Log one line for this request on the engine (router.log_requests)."""
     origin: str = ""
@@ -23,35 +25,28 @@ class GenerateRequest:
 
 
 @dataclass
-class Chunk:
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
+class Reply:
+    data: str
+    """SSE text (one or more `data: …` events) of a streamed response; the whole JSON body
+    of a non-streamed one or of an error; empty in a progress item."""
+    status: int = 200
+    """HTTP status: vLLM's own for its errors (ErrorResponse.error.code)."""
+    final: bool = False
     prompt_tokens: int = 0
     num_cached_tokens: int = 0
     completion_tokens: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    """On the final item: the generated ids of the first choice (the router indexes the
+    conversation's continuation from them)."""
     timings: dict[str, Any] = field(default_factory=dict)
-    """On the final chunk: ttft_s, prefill_s, queue_s, e2e_s, itl_s, path, and the prefill's
-    span on the engine's clock (scheduled_ts, first_token_ts)."""
+    """On the final item of a request that ran: ttft_s, prefill_s, queue_s, e2e_s, itl_s,
+    path, and the prefill's span on the engine's clock (scheduled_ts, first_token_ts)."""
     served_by: dict[str, Any] = field(default_factory=dict)
-    """On the final chunk: the engine's own identity (rank name, replica, pid), so clients
+    """On the final item: the engine's own identity (rank name, replica, pid), so clients
     and tests can check where a request really ran, independently of the router."""
     inflight_by_origin: dict[str, int] | None = None
-    """On the first and the final chunk: the engine's in-flight requests per sending router
+    """On the first and the final item: the engine's in-flight requests per sending router
     at that moment. Fresher than the periodic probe, which under saturation can lag by
     seconds: with several routers a stale report of the others' load fired the guard."""
     inflight_stamp: tuple[int, int] | None = None
     """(engine pid, change counter) of `inflight_by_origin`, so the newest report wins."""
-
-    def merge(self, later: Chunk) -> None:
-        """Append a later delta of the same request to this one."""
-        self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        self.finish_reason = later.finish_reason
-        self.num_cached_tokens = later.num_cached_tokens
-        self.completion_tokens = later.completion_tokens
-        self.timings = later.timings or self.timings
-        self.served_by = later.served_by or self.served_by
-        if later.inflight_by_origin is not None:
-            self.inflight_by_origin = later.inflight_by_origin
-            self.inflight_stamp = later.inflight_stamp

@@ -8,6 +8,7 @@ schedules its workers into that same group.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
@@ -18,7 +19,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import Chunk, GenerateRequest
+from rayattn.engine.protocol import OpenAIRequest, Reply
 
 log = logging.getLogger("rayattn.engine")
 
@@ -94,6 +95,8 @@ class EngineReplica:
         # reply, chunks of concurrent requests) reach a router in any order, and it keeps
         # only the newest (routing/load.py).
         self._inflight_seq = 0
+        self._openai_layer: Any = None
+        self._openai_lock = asyncio.Lock()
         self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                               exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._info)
@@ -101,6 +104,7 @@ class EngineReplica:
     async def info(self) -> dict[str, Any]:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
         await self.engine.check_health()
+        await self._openai()
         if self.metrics is not None:
             # Re-set on every probe: the gauge is only exported once this process's metrics
             # agent is up, which can be after __init__.
@@ -149,94 +153,40 @@ class EngineReplica:
             self.kv_mirror.reset()
         return done
 
-    async def generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
+    async def _openai(self) -> Any:
+        """vLLM's OpenAI serving layer over this engine, built on first use (the router's
+        first probe): vLLM builds it with async calls, and Serve constructs replicas
+        synchronously."""
+        async with self._openai_lock:
+            if self._openai_layer is None:
+                from rayattn.config.plan import frontend_kwargs
+                from rayattn.engine.openai_layer import OpenAILayer
+
+                self._openai_layer = await OpenAILayer.create(
+                    self.engine, self.plan.engine_kwargs, frontend_kwargs(self.cfg),
+                    {"engine": f"engine-{self.rank}", "replica": self.replica_id,
+                     "pid": os.getpid()},
+                    self.metrics, self._inflight_report)
+            return self._openai_layer
+
+    async def models(self) -> dict[str, Any]:
+        """`/v1/models` as vLLM serves it."""
+        return await (await self._openai()).list_models()
+
+    async def serve(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
+        """One OpenAI request through vLLM's serving layer, counted in this engine's
+        in-flight requests per sending router while it runs."""
+        layer = await self._openai()
         self._inflight_by_origin[req.origin] += 1
         self._inflight_seq += 1
         try:
-            async for chunk in self._generate(req):
-                yield chunk
+            async for item in layer.serve(req):
+                yield item
         finally:
             self._inflight_by_origin[req.origin] -= 1
             self._inflight_seq += 1
             if self._inflight_by_origin[req.origin] <= 0:
                 del self._inflight_by_origin[req.origin]
-
-    async def _generate(self, req: GenerateRequest) -> AsyncIterator[Chunk]:
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
-        from vllm.sampling_params import RequestOutputKind
-
-        params = SamplingParams(**req.sampling, output_kind=RequestOutputKind.DELTA)
-        start = time.monotonic()
-        first_token_at: float | None = None
-        generated = 0
-        pending: Chunk | None = None
-        last_sent: float | None = None
-        # Cancellation of this generator (client gone, router timeout) raises CancelledError
-        # inside AsyncLLM.generate, which aborts the request in the engine.
-        async for out in self.engine.generate(
-            TokensPrompt(prompt_token_ids=req.prompt_token_ids), params, req.request_id
-        ):
-            comp = out.outputs[0]
-            generated += len(comp.token_ids)
-            if first_token_at is None and comp.token_ids:
-                first_token_at = time.monotonic()
-            chunk = Chunk(text=comp.text, token_ids=list(comp.token_ids),
-                          finish_reason=comp.finish_reason,
-                          prompt_tokens=len(req.prompt_token_ids),
-                          num_cached_tokens=out.num_cached_tokens or 0,
-                          completion_tokens=generated)
-            if out.finished:
-                chunk.timings = self._timings(out, start, first_token_at, generated)
-                chunk.served_by = {"engine": f"engine-{self.rank}",
-                                   "replica": self.replica_id, "pid": os.getpid()}
-                if req.log:
-                    t = chunk.timings
-                    log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, "
-                             "ttft %.3fs, e2e %.3fs, finish %s", req.request_id, t["path"],
-                             chunk.prompt_tokens, chunk.num_cached_tokens, generated,
-                             t["ttft_s"], t["e2e_s"], chunk.finish_reason)
-                if self.metrics is not None:
-                    try:
-                        self.metrics.record_request(chunk.timings["path"], chunk.prompt_tokens,
-                                                    chunk.num_cached_tokens, generated,
-                                                    chunk.timings)
-                    except Exception:  # metrics must never fail a request
-                        log.exception("recording request metrics failed")
-            # Every yield is a Ray streaming item through this replica, the router and
-            # the HTTP proxy: per token that costs more than a GPU decode step. The first
-            # token goes at once (TTFT); later deltas are merged until `stream_interval_s`
-            # has passed since the last item (the whole answer at once for non-streaming).
-            if out.finished or last_sent is None:
-                report = self._inflight_report()
-                chunk.inflight_by_origin = report["inflight_by_origin"]
-                chunk.inflight_stamp = report["inflight_stamp"]
-            if pending is None:
-                pending = chunk
-            else:
-                pending.merge(chunk)
-            now = time.monotonic()
-            if out.finished or last_sent is None or now - last_sent >= req.stream_interval_s:
-                yield pending
-                pending, last_sent = None, now
-
-    def _timings(self, out: Any, start: float, first: float | None, generated: int) -> dict:
-        now = time.monotonic()
-        m = out.metrics  # RequestStateStats: *_ts share the engine core's monotonic clock
-        ttft = (first or now) - start
-        queue = prefill = 0.0
-        itl = None
-        if m is not None and m.scheduled_ts:
-            queue = max(0.0, m.scheduled_ts - m.queued_ts)
-            prefill = max(0.0, m.first_token_ts - m.scheduled_ts) if m.first_token_ts else 0.0
-            if generated > 1 and m.last_token_ts > m.first_token_ts:
-                itl = (m.last_token_ts - m.first_token_ts) / (generated - 1)
-        return {"ttft_s": ttft, "prefill_s": prefill, "queue_s": queue, "e2e_s": now - start,
-                "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill",
-                # The prefill's span on the engine core's clock, so routers can measure the
-                # engine's throughput over overlapping requests (routing/policies.py).
-                "scheduled_ts": m.scheduled_ts if m is not None else 0.0,
-                "first_token_ts": (m.first_token_ts or 0.0) if m is not None else 0.0}
 
 
 def _replica_id(rank: int) -> str:

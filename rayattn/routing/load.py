@@ -2,7 +2,7 @@
 router replicas' requests as the engine last reported them.
 
 Every engine replica counts its in-flight requests by the router that sent them (the
-`origin` of each GenerateRequest) and reports those counts with each probe and on the first
+`origin` of each OpenAIRequest) and reports those counts with each probe and on the first
 and final chunk of every request, stamped (pid, change counter) so that a router keeps the
 newest report whatever order they arrive in. A router takes
 its own share from its own bookkeeping, which is never stale, and only the others' share

@@ -45,6 +45,8 @@ class RouteRequest:
     """Prompt text; only the `ray_prefix` comparison policy looks at it."""
     block_hashes: list[bytes] = field(default_factory=list)
     """Full vLLM hashes behind `keys`, so prompt + output can be hashed incrementally."""
+    token_ids: list[int] = field(default_factory=list)
+    """The prompt's token ids (the router indexes prompt + output after the request)."""
 
 
 @dataclass

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from rayattn.config.schema import RayAttnConfig
-from rayattn.engine.protocol import Chunk, GenerateRequest
+from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.cache_view import CacheView
 from rayattn.routing.hashing import BlockHasher, to_key
@@ -184,7 +184,7 @@ class Dispatcher:
         hashes = self.hasher.full_hashes(token_ids)
         keys = [to_key(h) for h in hashes]
         head = keys[0] if keys else hash(tuple(token_ids[: self.hasher.block_size]))
-        return RouteRequest(keys, len(token_ids), head, session, text, hashes)
+        return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids)
 
     def _reject(self, status: int) -> None:
         if self.metrics is not None:
@@ -202,9 +202,9 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.failures.inc(1, {**self.metrics.base, "cause": type(cause).__name__})
 
-    async def generate(self, req: GenerateRequest, route: RouteRequest,
-                       buffered: bool = False) -> AsyncIterator[tuple[Chunk, Decision]]:
-        """Stream chunks from one replica. A replica failure is retried on another replica
+    async def generate(self, req: OpenAIRequest, route: RouteRequest,
+                       buffered: bool = False) -> AsyncIterator[tuple[Reply, Decision]]:
+        """Stream items from one replica. A replica failure is retried on another replica
         while nothing has reached the caller: always before the first chunk, and at any
         point when `buffered` (chunks are held until the attempt completes, as a
         non-streaming response needs anyway). Otherwise EngineFailure propagates."""
@@ -223,7 +223,7 @@ class Dispatcher:
                              route.prompt_tokens, d.predicted_cached_tokens, attempt + 1)
                 if self.metrics is not None:
                     self.metrics.decision(d.reason, d.replica)
-                held: list[Chunk] = []
+                held: list[Reply] = []
                 delivered = False
                 try:
                     async for chunk in self._call(d, req, route):
@@ -269,8 +269,8 @@ class Dispatcher:
                 return open_
             await asyncio.sleep(0.005)
 
-    async def _call(self, d: Decision, req: GenerateRequest,
-                    route: RouteRequest) -> AsyncIterator[Chunk]:
+    async def _call(self, d: Decision, req: OpenAIRequest,
+                    route: RouteRequest) -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
@@ -281,11 +281,10 @@ class Dispatcher:
         gen = None
         try:
             self.policy.on_dispatch(replica, route)
-            out_tokens: list[int] = []
             handle = self.replicas.replicas[replica].handle
             d.dispatched_at = time.perf_counter()
             try:
-                gen = self._stream_handle(handle).generate.remote(req)
+                gen = self._stream_handle(handle).serve.remote(req)
             except Exception as e:
                 raise EngineCallError(e) from e
             while True:
@@ -300,10 +299,9 @@ class Dispatcher:
                     prefill_pending = False
                 if chunk.inflight_by_origin is not None and self.replicas.is_up(replica):
                     self.load.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
-                out_tokens.extend(chunk.token_ids)
-                if chunk.finish_reason is not None:
+                if chunk.final and chunk.timings:  # it ran (not an error answer)
                     try:
-                        self._learn(d, route, req, chunk, out_tokens)
+                        self._learn(d, route, chunk)
                     except Exception:  # learning must never fail a served request
                         log.exception("learning from request %s failed", req.request_id)
                 yield chunk
@@ -316,19 +314,18 @@ class Dispatcher:
 
     def _stream_handle(self, handle: Any) -> Any:
         if self.cfg.router.engine_transport == "grpc":
-            # Chunks are plain dataclasses of this package: the standard pickle is enough.
+            # Items are plain dataclasses of this package: the standard pickle is enough.
             return handle.options(stream=True, _by_reference=False,
                                   request_serialization="pickle",
                                   response_serialization="pickle")
         return handle.options(stream=True)
 
-    def _learn(self, d: Decision, route: RouteRequest, req: GenerateRequest, last: Chunk,
-               out_tokens: list[int]) -> None:
+    def _learn(self, d: Decision, route: RouteRequest, last: Reply) -> None:
         # Multi-turn: the engine now caches the prompt and every generated token but the
         # last (whose KV was never computed); index those so the next turn finds its whole
         # history (with KV events, until the events confirm it). Only the blocks after the
         # prompt's are new: reuse its hashes.
-        full = self.hasher.full_hashes(req.prompt_token_ids + out_tokens[:-1],
+        full = self.hasher.full_hashes(route.token_ids + last.token_ids[:-1],
                                        route.block_hashes)
         self.policy.on_complete(d.replica, [to_key(h) for h in full])
         t = last.timings

@@ -40,3 +40,18 @@ def from_validation(err: ValidationError) -> APIError:
     detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                        for e in err.errors()[:5])
     return APIError(400, f"{where}: {msg} ({detail})", param=where)
+
+
+def error_response(err: object) -> APIError:
+    """vLLM's ErrorResponse (its validation, rendering) as an APIError with its status."""
+    info = getattr(err, "error", None)
+    status = int(getattr(info, "code", 400) or 400)
+    return APIError(status if 400 <= status < 600 else 400,
+                    str(getattr(info, "message", err)), param=getattr(info, "param", None))
+
+
+def client_error(e: BaseException, param: str | None = None) -> APIError:
+    """An exception vLLM raises about the request itself (VLLMValidationError, ValueError)
+    as a 400 with vLLM's message and the parameter it names."""
+    return APIError(400, str(e)[:1000] or type(e).__name__,
+                    param=getattr(e, "parameter", None) or param)

@@ -16,15 +16,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from rayattn.config.architecture import local_model_dir
+from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import Chunk, GenerateRequest
+from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.server.dispatch import Dispatcher, EngineFailure, Slot
-from rayattn.server.errors import APIError, from_validation
-from rayattn.server.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest
-from rayattn.server.templating import Templater
+from rayattn.server.errors import APIError, client_error, error_response, from_validation
+from rayattn.server.rendering import Rendered, Renderer
 
 log = logging.getLogger("rayattn.ingress")
 REQUEST_ID_HEADER = "x-request-id"
@@ -40,8 +39,9 @@ class Ingress:
         plan = build_plan(self.cfg, prepare_model=True)
         self.model_name = self.cfg.model.name
         self.max_model_len = self.cfg.model.max_model_len or 0
-        src = local_model_dir(self.cfg.model.source, prepare=True) or self.cfg.model.source
-        self.templater = Templater(src, self.cfg.model.trust_remote_code)
+        self.engine_kwargs = plan.engine_kwargs
+        self._renderer_task: asyncio.Task[Renderer] | None = None
+        self._models: dict[str, Any] | None = None
         names = {f"engine-{i}": h for i, h in enumerate(engines)}
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
         self.keys = Keys.from_env(self.cfg.router)
@@ -63,7 +63,21 @@ class Ingress:
         self.keys.check(request.headers.get("authorization"), admin)
 
     # --- plumbing -----------------------------------------------------------------------
-    async def _body(self, request: Request, model_cls: type) -> Any:
+    async def _start(self) -> None:
+        """The fleet view, and vLLM's renderer built in the background from the first call
+        (a health probe, usually) so that no request waits for it."""
+        await self.dispatcher.start()
+        if self._renderer_task is None:
+            self._renderer_task = asyncio.get_running_loop().create_task(
+                Renderer.create(self.cfg, self.engine_kwargs))
+
+    async def _renderer(self) -> Renderer:
+        await self._start()
+        assert self._renderer_task is not None
+        return await asyncio.shield(self._renderer_task)
+
+    async def _body(self, request: Request, kind: str) -> tuple[dict[str, Any], Any]:
+        """The JSON body and vLLM's request model of it (vLLM's own validation)."""
         raw = await request.body()
         if len(raw) > self.cfg.router.max_body_bytes:
             raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
@@ -74,128 +88,109 @@ class Ingress:
             raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
-        bad = sorted(UNSUPPORTED & data.keys())
-        if bad:
-            raise APIError(400, f"{bad[0]}: unsupported parameter", param=bad[0])
+        model = data.get("model")
+        if model is not None and model != self.model_name:
+            # vLLM's own answer, given here before the prompt is rendered and routed.
+            raise APIError(404, f"The model `{model}` does not exist.", param="model",
+                           code="model_not_found")
         try:
-            body = model_cls.model_validate(data)
+            body = compat.openai_model(kind).model_validate(data)
         except ValidationError as e:
             raise from_validation(e) from None
         except RecursionError:
             raise APIError(400, "request body nested too deeply") from None
-        if body.model != self.model_name:
-            raise APIError(404, f"model {body.model!r} does not exist; served: "
-                                f"{self.model_name!r}", param="model")
-        return body
+        except compat.client_error_types() as e:  # vLLM's own checks beyond pydantic's
+            raise client_error(e) from None
+        return data, body
 
-    def _limits(self, prompt: list[int], body: Any) -> int:
-        limit = self.max_model_len or self._engine_max_len()
-        if len(prompt) >= limit:
-            raise APIError(400, f"prompt is {len(prompt)} tokens, which does not fit the "
-                                f"model's maximum context length of {limit} tokens "
-                                "(max_model_len)", param="messages")
-        room = limit - len(prompt)
-        want = body.output_limit
-        if want is not None and want > room:
-            raise APIError(400, f"max_tokens={want} plus the {len(prompt)}-token prompt "
-                                f"exceeds the maximum context length of {limit} tokens",
-                           param="max_tokens")
-        bad = [t for t in prompt if not 0 <= t < self.templater.vocab_size] \
-            if isinstance(getattr(body, "prompt", None), list) else []
-        if bad:
-            raise APIError(400, f"prompt holds token id {bad[0]} outside the vocabulary "
-                                f"(0..{self.templater.vocab_size - 1})", param="prompt")
-        return want or room
-
-    def _engine_max_len(self) -> int:
-        for s in self.dispatcher.replicas.replicas.values():
-            if s.info:
-                return s.info["max_model_len"]
-        return 2**31
+    async def _render(self, kind: str, body: Any) -> Rendered:
+        renderer = await self._renderer()
+        try:
+            out = await renderer.render(kind, body)
+        except compat.client_error_types() as e:  # vLLM's: prompt too long, bad template…
+            raise client_error(e, "messages" if kind == "chat" else "prompt") from None
+        except Exception as e:  # rendering depends only on the request and fixed settings
+            log.warning("rendering failed: %r", e)
+            raise APIError(400, f"the prompt could not be rendered: {type(e).__name__}: "
+                                f"{str(e)[:300]}", param="messages" if kind == "chat"
+                           else "prompt") from None
+        if not isinstance(out, Rendered):
+            raise error_response(out)
+        if not out.token_ids:
+            raise APIError(400, "the prompt is empty", param="prompt")
+        return out
 
     async def handle(self, request: Request, kind: str) -> Response:
-        t0 = time.time()
         request.state.arrived = time.perf_counter()
         try:
-            rid = request_id(request, "chatcmpl" if kind == "chat" else "cmpl")
+            rid = request_id(request)
         except APIError as e:
             return e.response()
         try:
             self._authorize(request)
-            await self.dispatcher.start()
-            body = await self._body(request, ChatCompletionRequest if kind == "chat"
-                                    else CompletionRequest)
+            await self._start()
+            data, body = await self._body(request, kind)
             slot = self.dispatcher.admit()
         except APIError as e:
             return e.response()
         # From here the slot is ours until the response ends; whichever path ends the
         # request releases it (once).
         try:
-            return await self._admitted(request, kind, body, t0, rid, slot)
+            return await self._admitted(request, kind, data, body, rid, slot)
         except BaseException:
             slot.release()
             raise
 
-    async def _admitted(self, request: Request, kind: str, body: Any, t0: float,
+    async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
                         rid: str, slot: Slot) -> Response:
         try:
-            if kind == "chat":
-                messages = [m.model_dump(exclude_none=True) for m in body.messages]
-                for m, orig in zip(messages, body.messages, strict=True):
-                    m["content"] = orig.text()
-                if not any(m["content"] for m in messages):
-                    raise APIError(400, "messages: all messages are empty", param="messages")
-                prompt = await asyncio.to_thread(self.templater.chat, messages)
-                text = "\n".join(m["content"] for m in messages)
-            else:
-                if isinstance(body.prompt, str) and not body.prompt:
-                    raise APIError(400, "prompt: empty", param="prompt")
-                prompt = await asyncio.to_thread(self.templater.completion, body.prompt)
-                text = body.prompt if isinstance(body.prompt, str) else ""
-            max_tokens = self._limits(prompt, body)
+            prompt = await self._render(kind, body)
         except APIError as e:
             slot.release()
             return e.response()
-        greq = GenerateRequest(rid, prompt, body.sampling_kwargs(max_tokens),
-                               self.cfg.router.stream_interval_ms / 1e3 if body.stream
-                               else float("inf"), log=self.cfg.router.log_requests)
+        data["request_id"] = rid
+        stream = bool(getattr(body, "stream", False))
+        oreq = OpenAIRequest(kind, data, rid, self.cfg.router.stream_interval_ms / 1e3,
+                             log=self.cfg.router.log_requests)
         route = self.dispatcher.route_request(
-            prompt, request.headers.get(self.cfg.router.session_header), text)
+            prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            # The first chunk before the response starts: a request that fails before any
-            # output (no replica, the engine rejects it, timeout) gets its real status code.
-            chunks = self.dispatcher.generate(greq, route)
+        arrived = request.state.arrived
+        if stream:
+            # The first item before the response starts: a request that fails before any
+            # output (no replica, vLLM rejects it, timeout) gets its real status code.
+            items = self.dispatcher.generate(oreq, route)
             try:
                 async with asyncio.timeout_at(deadline):
-                    first = await anext(chunks)
+                    first, decision = await anext(items)
+                    while not first.data and not first.final:  # progress, not output
+                        first, decision = await anext(items)
             except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
                 slot.release()
-                await chunks.aclose()
+                await items.aclose()
                 return _early_error(e, self.cfg.router.request_timeout_s).response()
             except BaseException:
-                await chunks.aclose()
+                await items.aclose()
                 raise
-            return _Stream(self._sse(kind, rid, int(t0), first, chunks, include_usage,
-                                     request.state.arrived, deadline), slot,
-                           media_type="text/event-stream")
-        return await self._complete(kind, rid, int(t0), greq, route,
-                                    bool(body.return_token_ids), request.state.arrived, slot)
+            if first.status != 200:
+                slot.release()
+                await items.aclose()
+                return _passthrough(first, decision)
+            return _Stream(self._sse(first, decision, items, arrived, deadline), slot,
+                           media_type="text/event-stream",
+                           headers={"x-rayattn-replica": decision.replica})
+        return await self._complete(oreq, route, arrived, slot)
 
-    async def _complete(self, kind: str, rid: str, created: int, greq: GenerateRequest,
-                        route: Any, return_token_ids: bool, arrived: float,
+    async def _complete(self, req: OpenAIRequest, route: Any, arrived: float,
                         slot: Slot) -> Response:
-        text, last, decision = [], None, None
-        token_ids: list[int] = []
+        last, decision = None, None
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
                 # Buffered: nothing reaches the client before the answer is whole, so the
                 # dispatcher may retry a replica failure at any point.
-                async for chunk, d in self.dispatcher.generate(greq, route, buffered=True):
-                    text.append(chunk.text)
-                    token_ids.extend(chunk.token_ids)
-                    last, decision = chunk, d
+                async for item, d in self.dispatcher.generate(req, route, buffered=True):
+                    if item.final:
+                        last, decision = item, d
         except APIError as e:
             return e.response()
         except EngineFailure as e:
@@ -205,71 +200,43 @@ class Ingress:
                 .response()
         finally:
             slot.release()
-        assert last is not None and decision is not None
-        content = "".join(text)
-        if kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": content},
-                      "finish_reason": last.finish_reason, "logprobs": None}
-        else:
-            choice = {"index": 0, "text": content, "finish_reason": last.finish_reason,
-                      "logprobs": None}
-        if return_token_ids:
-            choice.update(prompt_token_ids=greq.prompt_token_ids, token_ids=token_ids)
-        return JSONResponse({
-            "id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
-            "created": created, "model": self.model_name, "choices": [choice],
-            "usage": _usage(last), "rayattn": _ext(last, decision, arrived)},
-            headers={"x-rayattn-replica": decision.replica})
+        if last is None or decision is None:
+            return _early_error(StopAsyncIteration(), 0).response()
+        if last.status != 200:
+            return _passthrough(last, decision)
+        body = json.loads(last.data)
+        body["rayattn"] = _ext(last, decision, arrived)
+        return JSONResponse(body, headers={"x-rayattn-replica": decision.replica})
 
-    async def _sse(self, kind: str, rid: str, created: int, head: tuple[Chunk, Decision],
-                   chunks: AsyncIterator[tuple[Chunk, Decision]], include_usage: bool,
-                   arrived: float, deadline: float) -> AsyncIterator[str]:
-        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
-        first = True
-        last = None
-
-        def event(payload: dict) -> str:
-            return f"data: {json.dumps(payload)}\n\n"
-
-        async def all_chunks() -> AsyncIterator[tuple[Chunk, Decision]]:
-            yield head
-            async for item in chunks:
-                yield item
-
+    async def _sse(self, head: Reply, decision: Decision,
+                   items: AsyncIterator[tuple[Reply, Decision]], arrived: float,
+                   deadline: float) -> AsyncIterator[str]:
+        """vLLM's SSE events as the engine produced them; the router's own account of the
+        request (`rayattn`) rides on the last event before [DONE]."""
+        item = head
         try:
             async with asyncio.timeout_at(deadline):
-                async for chunk, decision in all_chunks():
-                    last = chunk
-                    if kind == "chat":
-                        delta: dict[str, Any] = {"content": chunk.text}
-                        if first:
-                            delta["role"] = "assistant"
-                        choice = {"index": 0, "delta": delta,
-                                  "finish_reason": chunk.finish_reason, "logprobs": None}
-                    else:
-                        choice = {"index": 0, "text": chunk.text,
-                                  "finish_reason": chunk.finish_reason, "logprobs": None}
-                    first = False
-                    payload = {"id": rid, "object": obj, "created": created,
-                               "model": self.model_name, "choices": [choice]}
-                    if chunk.finish_reason is not None:
-                        payload["rayattn"] = _ext(chunk, decision, arrived)
-                    yield event(payload)
-            if include_usage and last is not None:
-                yield event({"id": rid, "object": obj, "created": created,
-                             "model": self.model_name, "choices": [], "usage": _usage(last)})
+                while True:
+                    if item.final:
+                        yield _with_ext(item.data, _ext(item, decision, arrived))
+                        return
+                    if item.data:
+                        yield item.data
+                    item, decision = await anext(items)
+        except StopAsyncIteration:
+            yield _event(APIError(503, "the engine ended the stream early").body())
             yield "data: [DONE]\n\n"
         except APIError as e:
-            yield event(e.body())
+            yield _event(e.body())
             yield "data: [DONE]\n\n"
         except EngineFailure as e:
-            yield event(APIError(503, f"engine failure mid-stream: {e}").body())
+            yield _event(APIError(503, f"engine failure mid-stream: {e}").body())
             yield "data: [DONE]\n\n"
         except TimeoutError:
-            yield event(APIError(504, "request timed out").body())
+            yield _event(APIError(504, "request timed out").body())
             yield "data: [DONE]\n\n"
         finally:
-            await chunks.aclose()
+            await items.aclose()
 
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:
@@ -278,7 +245,7 @@ class Ingress:
             self._authorize(request, admin=True)
         except APIError as e:
             return e.response()
-        await self.dispatcher.start()
+        await self._start()
         from rayattn.config.schema import RouterConfig
 
         d = self.dispatcher
@@ -309,12 +276,15 @@ class Ingress:
             self._authorize(request)
         except APIError as e:
             return e.response()
-        await self.dispatcher.start()
-        if not self.dispatcher.live():
+        await self._start()
+        live = self.dispatcher.live()
+        if not live:
             return self._not_ready().response()
-        return JSONResponse({"object": "list", "data": [
-            {"id": self.model_name, "object": "model", "created": 0, "owned_by": "rayattn",
-             "max_model_len": self._engine_max_len()}]})
+        if self._models is None:
+            # vLLM's own list (names, max_model_len, permissions), the same on every engine.
+            handle = self.dispatcher.replicas.replicas[live[0]].handle
+            self._models = await handle.models.remote()
+        return JSONResponse(self._models)
 
     def _not_ready(self) -> APIError:
         n = len(self.dispatcher.replicas.replicas)
@@ -322,7 +292,7 @@ class Ingress:
                              "the model at start-up; retry shortly)", retry_after=5)
 
     async def health(self) -> Response:
-        await self.dispatcher.start()
+        await self._start()
         live = self.dispatcher.live()
         d = self.dispatcher
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
@@ -375,15 +345,15 @@ def _early_error(e: BaseException, timeout_s: float) -> APIError:
     return APIError(503, "the engine ended the request without output", retry_after=2)
 
 
-def request_id(request: Request, prefix: str) -> str:
+def request_id(request: Request) -> str:
     """The client's `x-request-id` (so one request can be followed through router and engine
-    logs) or a new one; it is the engine's request id and the response's `id`. Serve's HTTP
-    proxy passes the client's header on and sets its own request id there when the client
-    sent none, and echoes it in the response's `x-request-id` header (so this router does
-    not add one)."""
+    logs) or a new one. vLLM makes `chatcmpl-<id>` / `cmpl-<id>` of it: the engine request's
+    id and the response's `id`. Serve's HTTP proxy passes the client's header on, sets its
+    own request id there when the client sent none, and echoes it in the response's
+    `x-request-id` header (so this router does not add one)."""
     given = request.headers.get(REQUEST_ID_HEADER)
     if given is None:
-        return f"{prefix}-{uuid.uuid4().hex}"
+        return uuid.uuid4().hex
     if not 0 < len(given) <= 128 or not given.isprintable():
         raise APIError(400, f"{REQUEST_ID_HEADER}: 1 to 128 printable characters",
                        param=REQUEST_ID_HEADER)
@@ -423,10 +393,35 @@ class Keys:
                            + (" for the admin API" if admin else ""), code="invalid_api_key")
 
 
-def _usage(last: Any) -> dict:
-    return {"prompt_tokens": last.prompt_tokens, "completion_tokens": last.completion_tokens,
-            "total_tokens": last.prompt_tokens + last.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": last.num_cached_tokens}}
+def _event(payload: dict) -> str:
+    return f"data: {json.dumps(payload)}\n\n"
+
+
+def _with_ext(sse: str, ext: dict[str, Any]) -> str:
+    """`sse` with `ext` added as "rayattn" to its last JSON event (the usage event when the
+    client asked for one, else the one carrying finish_reason)."""
+    events = sse.split("\n\n")
+    for i in range(len(events) - 1, -1, -1):
+        ev = events[i]
+        if ev.startswith("data: {"):
+            try:
+                payload = json.loads(ev[6:])
+            except ValueError:
+                return sse
+            if "error" not in payload:
+                payload["rayattn"] = ext
+                events[i] = "data: " + json.dumps(payload)
+            return "\n\n".join(events)
+    return sse
+
+
+def _passthrough(reply: Reply, d: Decision) -> Response:
+    """vLLM's own error answer, with its status code."""
+    try:
+        body = json.loads(reply.data)
+    except ValueError:
+        body = APIError(reply.status, reply.data[:500]).body()
+    return JSONResponse(body, status_code=reply.status, headers={"x-rayattn-replica": d.replica})
 
 
 def _ext(last: Any, d: Decision, arrived: float) -> dict:

@@ -103,21 +103,23 @@ ERRORS = [
     ("not an object", [1, 2], 400, None),
     ("wrong type", {"model": MODEL, "messages": _msgs(), "max_tokens": "many"}, 400,
      "max_tokens"),
-    ("unknown field", {"model": MODEL, "messages": _msgs(), "frobnicate": 1}, 400,
-     "frobnicate"),
     ("empty messages", {"model": MODEL, "messages": []}, 400, "messages"),
-    ("empty content", {"model": MODEL, "messages": _msgs("")}, 400, "messages"),
     ("max_tokens zero", {"model": MODEL, "messages": _msgs(), "max_tokens": 0}, 400,
      "max_tokens"),
     ("max_tokens negative", {"model": MODEL, "messages": _msgs(), "max_tokens": -5}, 400,
      "max_tokens"),
     ("max_tokens above context", {"model": MODEL, "messages": _msgs(), "max_tokens": 5000},
      400, "2048"),
-    ("unsupported tools", {"model": MODEL, "messages": _msgs(), "tools": []}, 400, "tools"),
-    ("n > 1", {"model": MODEL, "messages": _msgs(), "n": 2}, 400, "n"),
-    ("bad role", {"model": MODEL, "messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "role"),
+    ("message without role", {"model": MODEL, "messages": [{"content": "x"}]}, 400, "role"),
     ("unknown model", {"model": "gpt-17", "messages": _msgs()}, 404, "gpt-17"),
+    ("n zero", {"model": MODEL, "messages": _msgs(), "n": 0}, 400, "n"),
+    ("tool_choice without tools", {"model": MODEL, "messages": _msgs(),
+                                   "tool_choice": "required"}, 400, "tool"),
+    ("response_format unknown type", {"model": MODEL, "messages": _msgs(),
+                                      "response_format": {"type": "yaml"}}, 400,
+     "response_format"),
+    ("top_logprobs without logprobs", {"model": MODEL, "messages": _msgs(),
+                                       "top_logprobs": 3}, 400, "logprobs"),
 ]
 
 
@@ -128,16 +130,15 @@ def test_client_errors(server, name, body, status, fragment):
     err = r.json()["error"]
     assert err["message"] and err["type"]
     if fragment:
-        assert fragment in err["message"]
+        assert fragment in err["message"] + str(err.get("param")), err
 
 
 def test_prompt_longer_than_context_names_limit_and_length(server):
     r = _post(server, {"model": MODEL, "messages": _msgs("word " * 3000)})
     assert r.status_code == 400
     msg = r.json()["error"]["message"]
-    assert "2048" in msg and "prompt is" in msg
-    length = int(msg.split("prompt is ")[1].split()[0])
-    assert length > 2048
+    # vLLM's own check and wording, as `vllm serve` answers.
+    assert "maximum context length is 2048 tokens" in msg
 
 
 def test_oversized_body_and_unknown_route(server):

@@ -1,0 +1,120 @@
+"""vLLM's own OpenAI serving layer over one replica's engine.
+
+Parsing, chat rendering (templates, `chat_template_kwargs`, tools), sampling parameters,
+structured outputs, reasoning and tool-call parsing, logprobs, `n`, stop strings and usage
+are vLLM's (the objects `vllm serve` builds through init_app_state), so a client that works
+against `vllm serve` works here. This module only carries what goes in and out: it runs one
+request, merges a stream's SSE events into fewer Ray messages, and hands back what the
+request did in the engine (rayattn/engine/observed.py) for the router and the metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pydantic import ValidationError
+
+from rayattn import compat
+from rayattn.engine import observed
+from rayattn.engine.protocol import OpenAIRequest, Reply
+
+log = logging.getLogger("rayattn.engine")
+
+
+class OpenAILayer:
+    def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
+                 report: Callable[[], dict[str, Any]]) -> None:
+        self.chat = state.openai_serving_chat
+        self.completion = state.openai_serving_completion
+        self.models = state.openai_serving_models
+        self.identity, self.metrics, self.report = identity, metrics, report
+
+    @classmethod
+    async def create(cls, engine: Any, engine_kwargs: dict[str, Any],
+                     frontend: dict[str, Any], identity: dict[str, Any], metrics: Any,
+                     report: Callable[[], dict[str, Any]]) -> OpenAILayer:
+        args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
+        state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
+        return cls(state, identity, metrics, report)
+
+    async def list_models(self) -> dict[str, Any]:
+        return (await self.models.show_available_models()).model_dump()
+
+    async def serve(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
+        try:
+            request = compat.openai_model(req.kind).model_validate(req.body)
+        except ValidationError as e:  # the router validated it already: a version skew
+            yield Reply(_error_json(400, str(e.errors()[:3])), 400, final=True)
+            return
+        obs = observed.Observation()
+        observed.current.set(obs)  # seen by ObservedEngine.generate in this task
+        serving = self.chat.create_chat_completion if req.kind == "chat" \
+            else self.completion.create_completion
+        # A task so that a non-streamed request can report its first token (the router
+        # counts the prefill as done) before the whole answer is there.
+        call = asyncio.ensure_future(serving(request, None))
+        first = asyncio.ensure_future(obs.first_token.wait())
+        try:
+            await asyncio.wait({call, first}, return_when=asyncio.FIRST_COMPLETED)
+            if not call.done():
+                yield Reply("", **self._inflight())
+            result = await call
+        finally:
+            first.cancel()
+            call.cancel()  # cancelling the serving call aborts the engine request
+        if isinstance(result, compat.openai_model("error")):
+            status = int(getattr(result.error, "code", 400) or 400)
+            yield Reply(result.model_dump_json(), status, final=True, **self._inflight())
+            return
+        if hasattr(result, "model_dump_json"):
+            yield self._final(req, obs, result.model_dump_json())
+            return
+        async for item in self._stream(req, obs, result):
+            yield item
+
+    async def _stream(self, req: OpenAIRequest, obs: observed.Observation,
+                      events: AsyncIterator[str]) -> AsyncIterator[Reply]:
+        parts: list[str] = []
+        last_sent: float | None = None
+        try:
+            async for event in events:
+                parts.append(event)
+                now = time.monotonic()
+                if last_sent is None or now - last_sent >= req.stream_interval_s:
+                    yield Reply("".join(parts), **(self._inflight() if last_sent is None
+                                                   else {}))
+                    parts, last_sent = [], now
+        finally:
+            await events.aclose()  # aborts the engine request if the router went away
+        yield self._final(req, obs, "".join(parts))
+
+    def _final(self, req: OpenAIRequest, obs: observed.Observation, data: str) -> Reply:
+        reply = Reply(data, final=True, prompt_tokens=obs.prompt_tokens,
+                      num_cached_tokens=obs.num_cached_tokens,
+                      completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
+                      timings=obs.timings, served_by=self.identity, **self._inflight())
+        t = obs.timings
+        if t and req.log:
+            log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, ttft "
+                     "%.3fs, e2e %.3fs", req.request_id, t["path"], obs.prompt_tokens,
+                     obs.num_cached_tokens, obs.completion_tokens, t["ttft_s"], t["e2e_s"])
+        if t and self.metrics is not None:
+            try:
+                self.metrics.record_request(t["path"], obs.prompt_tokens,
+                                            obs.num_cached_tokens, obs.completion_tokens, t)
+            except Exception:  # metrics must never fail a request
+                log.exception("recording request metrics failed")
+        return reply
+
+    def _inflight(self) -> dict[str, Any]:
+        return self.report()
+
+
+def _error_json(status: int, message: str) -> str:
+    return json.dumps({"error": {"message": message, "type": "BadRequestError",
+                                 "param": None, "code": status}})
