@@ -382,14 +382,12 @@ def frontend_namespace(engine_kwargs: dict[str, Any], frontend: dict[str, Any],
     config the engine resolved (it carries the reasoning parser init_app_state reads)."""
     import argparse
 
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
     front_cls = _first_attr(("vllm.entrypoints.launchers.cli_args",
                              "vllm.entrypoints.openai.cli_args"), "FrontendArgs")
     known = {f.name for f in dataclasses.fields(front_cls)}
     ns = argparse.Namespace(**{**vars(front_cls(**{k: v for k, v in frontend.items()
                                                     if k in known})),
-                               **vars(AsyncEngineArgs(**engine_kwargs))})
+                               **vars(engine_args(engine_kwargs))})
     ns.structured_outputs_config = vllm_config.structured_outputs_config
     for k, v in frontend.items():
         setattr(ns, k, v)
@@ -422,17 +420,16 @@ async def render_state(engine_kwargs: dict[str, Any], frontend: dict[str, Any]) 
     state whose `online_renderer` renders chat and completion requests."""
     from starlette.datastructures import State
     from vllm.config import VllmConfig
-    from vllm.engine.arg_utils import AsyncEngineArgs
 
     init = _first_attr(("vllm.entrypoints.launchers.render.app_state",
                         "vllm.entrypoints.openai.api_server"), "init_render_app_state")
-    engine_args = AsyncEngineArgs(**engine_kwargs)
-    model_config = engine_args.create_model_config()
+    args_ = engine_args(engine_kwargs)
+    model_config = args_.create_model_config()
     # Rendering needs no kernels: no quantization checks against this process's device.
     model_config.quantization = None
     extra: dict[str, Any] = {}
-    if hasattr(engine_args, "create_structured_outputs_config"):  # 0.32; 0.25 reads args
-        extra["structured_outputs_config"] = engine_args.create_structured_outputs_config()
+    if hasattr(args_, "create_structured_outputs_config"):  # 0.32; 0.25 reads the args
+        extra["structured_outputs_config"] = args_.create_structured_outputs_config()
     vllm_config = VllmConfig(model_config=model_config, **extra)
     args = frontend_namespace(engine_kwargs, frontend, vllm_config)
     state = State()
@@ -479,3 +476,18 @@ def parser_names(kind: str) -> frozenset[str] | None:
             return frozenset(k.value for k in node.value.keys
                              if isinstance(k, ast.Constant) and isinstance(k.value, str))
     return None
+
+
+def engine_args(engine_kwargs: dict[str, Any]) -> Any:
+    """vLLM's AsyncEngineArgs from rayattn's engine arguments. Config sections given as
+    mappings in YAML (engine.extra_engine_kwargs) become vLLM's config objects where vLLM
+    does not convert them itself (structured_outputs_config)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kw = dict(engine_kwargs)
+    so = kw.get("structured_outputs_config")
+    if isinstance(so, dict):
+        from vllm.config import StructuredOutputsConfig
+
+        kw["structured_outputs_config"] = StructuredOutputsConfig(**so)
+    return AsyncEngineArgs(**kw)

@@ -44,7 +44,6 @@ class EngineReplica:
 
         self._reaper = reaper.start_for_current_process()
 
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
         from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 
@@ -77,7 +76,7 @@ class EngineReplica:
             self.kv_mirror = KVMirror(pub, replay)
             kv_endpoint = f"tcp://{node_ip()}:{pub}"
         t0 = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs), stat_loggers=loggers)
+        self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
         self._info = {
             "rank": rank,

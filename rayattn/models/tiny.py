@@ -6,20 +6,31 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Like Qwen3's: tools rendered into a system block, and `enable_thinking: false` (a
+# chat_template_kwargs) closing an empty think block, so tests can exercise vLLM's tool and
+# reasoning handling on a tiny model.
 _CHAT_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\n# Tools\n{% for t in tools %}{{ t | tojson }}\n"
+    "{% endfor %}<|im_end|>\n{% endif %}"
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and not enable_thinking %}<think>\n\n</think>\n\n"
+    "{% endif %}{% endif %}")
+# Plain (not special) added tokens, as in Qwen3's tokenizer: vLLM's qwen3 reasoning parser
+# and hermes tool-call parser look them up, and they must survive detokenization.
+MARKERS = ["<think>", "</think>", "<tool_call>", "</tool_call>"]
 
 
 def _tokenizer(out: Path, vocab: int = 512) -> None:
     import random
     import string
 
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()  # else decoded text keeps the byte markers (Ġ for ' ')
     words = ("the a cache block token router replica prefix decode extend prefill attention "
              "paris france capital question answer system user assistant").split()
     corpus = [" ".join(words[(i * 7 + j) % len(words)] for j in range(12)) for i in range(500)]
@@ -29,10 +40,11 @@ def _tokenizer(out: Path, vocab: int = 512) -> None:
         words += ["".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(3, 10)))
                   for _ in range(60000)]
         corpus = [" ".join(rng.choice(words) for _ in range(20)) for _ in range(20000)]
-    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=[
+    trainer = trainers.BpeTrainer(vocab_size=vocab - len(MARKERS), special_tokens=[
         "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(corpus, trainer)
+    tok.add_tokens(MARKERS)
     if vocab > 512 and tok.get_vocab_size() != vocab:  # tiny models: up to 512 is fine
         raise ValueError(f"tokenizer trained to {tok.get_vocab_size()} tokens, not {vocab}")
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="<|im_end|>",

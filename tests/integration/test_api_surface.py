@@ -63,18 +63,18 @@ def test_request_id_is_echoed_and_is_the_completion_id(server):
                    headers={"x-request-id": "trace-abc-123"})
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"] == "trace-abc-123"
-    assert r.json()["id"] == "trace-abc-123"
+    assert r.json()["id"] == "chatcmpl-trace-abc-123"  # vLLM's prefix, the client's id
     with httpx.stream("POST", f"{server}/v1/completions", timeout=60,
                       json={"model": MODEL, "prompt": "One two", "max_tokens": 4,
                             "stream": True}, headers={"x-request-id": "trace-stream-9"}) as s:
         assert s.headers["x-request-id"] == "trace-stream-9"
         ids = {json.loads(ln[6:])["id"] for ln in s.iter_lines()
                if ln.startswith("data: {")}
-    assert ids == {"trace-stream-9"}
+    assert ids == {"cmpl-trace-stream-9"}
     # Without one, a fresh id (Serve's) comes back in both places.
     a, b = (httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60)
             for _ in range(2))
-    assert a.headers["x-request-id"] == a.json()["id"] != b.json()["id"]
+    assert a.json()["id"] == f"chatcmpl-{a.headers['x-request-id']}" != b.json()["id"]
     bad = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60,
                      headers={"x-request-id": "x" * 129})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
