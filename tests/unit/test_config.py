@@ -100,6 +100,12 @@ INVALID = [
     ("llama.yaml", "engine.gpu_memory_utilization", 1.5, "engine.gpu_memory_utilization", None),
     ("llama.yaml", "attention.surprise", 1, "attention.surprise", "unknown field"),
     ("llama.yaml", "router.policy", "random", "router.policy", None),
+    ("deepseek.yaml", "model.reasoning_parser", "deepseek_r2", "model.reasoning_parser",
+     "not a reasoning parser"),
+    ("qwen3.yaml", "model.tool_call_parser", "hermes2", "model.tool_call_parser",
+     "not a tool parser"),
+    ("llama.yaml", "model.chat_template", "templates/missing.jinja", "model.chat_template",
+     "neither a file"),
 ]
 
 
@@ -174,3 +180,27 @@ def test_every_field_is_documented():
                 documented = (isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                               and isinstance(nxt.value.value, str))
                 assert documented, f"{cls.name}.{node.target.id} has no doc string"
+
+
+def test_parser_registries_are_read_without_importing_vllm():
+    import sys
+
+    from rayattn import compat
+
+    loaded = "vllm.reasoning" in sys.modules
+    names = compat.parser_names("reasoning")
+    assert {"deepseek_r1", "qwen3"} <= names
+    assert {"hermes", "deepseek_v3"} <= compat.parser_names("tool")
+    assert ("vllm.reasoning" in sys.modules) == loaded
+
+
+def test_frontend_settings_reach_engine_and_router_alike():
+    from rayattn.config.plan import frontend_kwargs
+
+    cfg = parse_args(_args("deepseek.yaml"))
+    front = frontend_kwargs(cfg)
+    assert front["reasoning_parser"] == "deepseek_r1" == build_plan(cfg).engine_kwargs[
+        "reasoning_parser"]
+    assert front["tool_call_parser"] == "deepseek_v3" and front["enable_auto_tool_choice"]
+    assert front["enable_prompt_tokens_details"]  # cached_tokens in usage
+    assert front["served_model_name"] == ["deepseek-r1"]
