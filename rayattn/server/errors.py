@@ -37,6 +37,9 @@ def from_validation(err: ValidationError) -> APIError:
     msg = first["msg"]
     if first["type"] == "extra_forbidden":
         msg = "unknown parameter"
+    if not where:  # a whole-body check (vLLM's model validators name their parameter)
+        return APIError(400, msg.removeprefix("Value error, "),
+                        param=getattr(first.get("ctx", {}).get("error"), "parameter", None))
     detail = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}"
                        for e in err.errors()[:5])
     return APIError(400, f"{where}: {msg} ({detail})", param=where)

@@ -1,4 +1,5 @@
-"""The router's account of a request rides on vLLM's last SSE event, nowhere else."""
+"""What the router adds to or makes of vLLM's answers: its account of a request on the last
+SSE event, validation errors as OpenAI error bodies."""
 
 from __future__ import annotations
 
@@ -26,3 +27,23 @@ def test_an_error_event_is_left_as_vllm_wrote_it():
     sse = f"data: {json.dumps(err)}\n\ndata: [DONE]\n\n"
     assert _with_ext(sse, {"replica": "engine-0"}) == sse
     assert _with_ext("", {"replica": "engine-0"}) == ""
+
+
+def test_a_whole_body_validation_error_reads_as_vllm_wrote_it():
+    from pydantic import BaseModel, ValidationError, model_validator
+
+    from rayattn.server.errors import from_validation
+
+    class Body(BaseModel):  # like vLLM 0.25's request models: checks in a model validator
+        tool_choice: str | None = None
+
+        @model_validator(mode="after")
+        def _tools(self):
+            raise ValueError("When using `tool_choice`, `tools` must be set.")
+
+    try:
+        Body(tool_choice="required")
+    except ValidationError as e:
+        err = from_validation(e)
+    assert err.status == 400
+    assert err.message == "When using `tool_choice`, `tools` must be set."
