@@ -39,8 +39,11 @@ class Observation:
         """Generated ids of the first prompt's first choice (what the router indexes)."""
         self.timings: dict[str, Any] = {}
         self.requests = 0
+        self.outputs = 0
+        """Engine outputs seen so far (the first carries the first token)."""
 
     def output(self, out: Any, first_request: bool) -> None:
+        self.outputs += 1
         ids = sum((len(c.token_ids) for c in out.outputs), 0)
         self.completion_tokens += ids
         if ids and self.first_token_at is None:

@@ -85,7 +85,11 @@ class OpenAILayer:
             async for event in events:
                 parts.append(event)
                 now = time.monotonic()
-                if last_sent is None or now - last_sent >= req.stream_interval_s:
+                # Everything the first engine output makes (a chat stream's role event and
+                # its first token) goes at once: the next output may be a busy engine step
+                # away, and the client's time to first token would wait for it.
+                if (last_sent is None or obs.outputs <= 1
+                        or now - last_sent >= req.stream_interval_s):
                     yield Reply("".join(parts), **(self._inflight() if last_sent is None
                                                    else {}))
                     parts, last_sent = [], now
