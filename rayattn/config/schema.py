@@ -86,7 +86,7 @@ class ModelConfig(_Strict):
     """Fallback architecture facts for `rayattn check` (see ArchitectureOverride)."""
     reasoning_parser: str | None = None
     """vLLM reasoning parser (`deepseek_r1`, `qwen3`, …): splits the model's thinking into
-    `reasoning_content` and keeps structured outputs from constraining it. Checked against
+    `reasoning` and keeps structured outputs from constraining it. Checked against
     the installed vLLM's registry by `rayattn check`."""
     tool_call_parser: str | None = None
     """vLLM tool-call parser (`deepseek_v3`, `hermes`, …): turns tool calls in the output

@@ -49,15 +49,18 @@ class Observation:
         if ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
             self.first_token.set()
-        if first_request and out.outputs:
-            self.token_ids.extend(out.outputs[0].token_ids)
+        if first_request:
+            # With n > 1 a streamed output holds whichever choices advanced: take choice 0's.
+            for c in out.outputs:
+                if getattr(c, "index", 0) == 0:
+                    self.token_ids.extend(c.token_ids)
         if out.finished:
             prompt = len(out.prompt_token_ids or [])
             self.prompt_tokens += prompt
             self.num_cached_tokens += out.num_cached_tokens or 0
             if first_request:
                 self.timings = timings(out, self.start, self.first_token_at,
-                                       self.completion_tokens)
+                                       len(self.token_ids))
 
 
 class ObservedEngine:
@@ -88,6 +91,10 @@ def timings(out: Any, start: float, first: float | None, generated: int) -> dict
     now = time.monotonic()
     m = out.metrics  # RequestStateStats: *_ts share the engine core's monotonic clock
     ttft = (first or now) - start
+    # A non-streamed request's outputs come once, at the end (vLLM's FINAL_ONLY): the engine's
+    # own arrival-to-first-token latency is the truth there.
+    if m is not None and getattr(m, "first_token_latency", 0) > 0:
+        ttft = min(ttft, m.first_token_latency)
     queue = prefill = 0.0
     itl = None
     if m is not None and getattr(m, "scheduled_ts", 0):

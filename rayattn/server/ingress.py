@@ -1,4 +1,4 @@
-"""What the OpenAI-compatible ingress does per request: authorize, parse, template, route,
+"""What the OpenAI-compatible ingress does per request: authorize, validate, render, route,
 stream back. The HTTP routes that call it are in rayattn/server/api.py."""
 
 from __future__ import annotations
@@ -73,8 +73,16 @@ class Ingress:
 
     async def _renderer(self) -> Renderer:
         await self._start()
-        assert self._renderer_task is not None
-        return await asyncio.shield(self._renderer_task)
+        task = self._renderer_task
+        assert task is not None
+        try:
+            return await asyncio.shield(task)
+        except Exception as e:  # e.g. the tokenizer not loadable here: retried next request
+            log.error("vLLM's renderer could not be built: %r", e)
+            if self._renderer_task is task:
+                self._renderer_task = None
+            raise APIError(503, "the router cannot render prompts yet: "
+                                f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
 
     async def _body(self, request: Request, kind: str) -> tuple[dict[str, Any], Any]:
         """The JSON body and vLLM's request model of it (vLLM's own validation)."""

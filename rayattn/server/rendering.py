@@ -1,7 +1,7 @@
 """The router's prompt rendering: vLLM's own renderer, configured as the engines' serving
 layer is (same chat template, tokenizer, parsers, frontend settings), so the token ids the
 router hashes into KV blocks are the ones the engine will cache. The engine renders the
-request again in its serving layer; tests/integration/test_api_surface.py checks that both
+request again in its serving layer; tests/integration/test_openai_surface.py checks that both
 give the same ids (tools and chat_template_kwargs included)."""
 
 from __future__ import annotations

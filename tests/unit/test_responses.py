@@ -54,3 +54,28 @@ def test_a_whole_body_validation_error_reads_as_vllm_wrote_it():
         err = from_validation(e)
     assert err.status == 400
     assert err.message == "When using `tool_choice`, `tools` must be set."
+
+
+def test_observation_keeps_choice_zero_and_the_engines_first_token_latency():
+    from types import SimpleNamespace as NS
+
+    from rayattn.engine.observed import Observation
+
+    def out(choices, finished=False, metrics=None):
+        return NS(outputs=[NS(index=i, token_ids=t) for i, t in choices], finished=finished,
+                  prompt_token_ids=[1] * 40, num_cached_tokens=32 if finished else 0,
+                  metrics=metrics)
+
+    obs = Observation()
+    # n=2, streamed: each output holds whichever choices advanced in that step.
+    obs.output(out([(1, [7]), (0, [5])]), True)
+    obs.output(out([(1, [8])]), True)
+    m = NS(scheduled_ts=10.0, queued_ts=9.5, first_token_ts=10.25, last_token_ts=10.5,
+           first_token_latency=0.75)
+    obs.output(out([(0, [6])], finished=True, metrics=m), True)
+    assert obs.token_ids == [5, 6]
+    assert obs.completion_tokens == 4 and obs.prompt_tokens == 40
+    t = obs.timings
+    assert t["path"] == "extend" and t["queue_s"] == 0.5 and t["prefill_s"] == 0.25
+    assert t["itl_s"] == 0.25  # over choice 0's two tokens, not all four
+    assert t["ttft_s"] <= 0.75
