@@ -40,6 +40,7 @@ class Observation:
         self.timings: dict[str, Any] = {}
         self.requests = 0
         self.outputs = 0
+        self.finished = 0
         """Engine outputs seen so far (the first carries the first token)."""
 
     def output(self, out: Any, first_request: bool) -> None:
@@ -55,12 +56,19 @@ class Observation:
                 if getattr(c, "index", 0) == 0:
                     self.token_ids.extend(c.token_ids)
         if out.finished:
+            self.finished += 1
             prompt = len(out.prompt_token_ids or [])
             self.prompt_tokens += prompt
             self.num_cached_tokens += out.num_cached_tokens or 0
             if first_request:
                 self.timings = timings(out, self.start, self.first_token_at,
                                        len(self.token_ids))
+
+
+    @property
+    def done(self) -> bool:
+        """Every engine request of this client request has finished."""
+        return self.requests > 0 and self.finished >= self.requests
 
 
 class ObservedEngine:

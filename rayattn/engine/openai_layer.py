@@ -88,8 +88,10 @@ class OpenAILayer:
                 # Everything the first engine output makes (a chat stream's role event and
                 # its first token) goes at once: the next output may be a busy engine step
                 # away, and the client's time to first token would wait for it.
-                if (last_sent is None or obs.outputs <= 1
-                        or now - last_sent >= req.stream_interval_s):
+                # Once the engine is done, the rest (finish, usage, [DONE]) waits for the final
+                # item: the router puts its account on the last of those events.
+                if not obs.done and (last_sent is None or obs.outputs <= 1
+                                     or now - last_sent >= req.stream_interval_s):
                     yield Reply("".join(parts), **(self._inflight() if last_sent is None
                                                    else {}))
                     parts, last_sent = [], now

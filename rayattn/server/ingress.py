@@ -407,8 +407,8 @@ def _event(payload: dict) -> str:
 
 def _with_ext(sse: str, ext: dict[str, Any]) -> str:
     """`sse` with `ext` added as "rayattn" to its last JSON event (the usage event when the
-    client asked for one, else the one carrying finish_reason), or as an event of its own
-    before [DONE] when `sse` holds no other."""
+    client asked for one, else the one carrying finish_reason). The engine keeps those
+    events for the final item (openai_layer.py)."""
     events = sse.split("\n\n")
     for i in range(len(events) - 1, -1, -1):
         ev = events[i]
@@ -421,12 +421,6 @@ def _with_ext(sse: str, ext: dict[str, Any]) -> str:
                 payload["rayattn"] = ext
                 events[i] = "data: " + json.dumps(payload)
             return "\n\n".join(events)
-    if "data: [DONE]" in events:
-        # Every event went out in an earlier item (the engine sends on a timer): the account
-        # gets an event of its own, shaped like the usage event (no choices).
-        events.insert(events.index("data: [DONE]"), "data: " + json.dumps(
-            {"object": "chat.completion.chunk", "choices": [], "rayattn": ext}))
-        return "\n\n".join(events)
     return sse
 
 

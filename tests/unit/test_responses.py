@@ -29,13 +29,6 @@ def test_an_error_event_is_left_as_vllm_wrote_it():
     assert _with_ext("", {"replica": "engine-0"}) == ""
 
 
-def test_a_final_item_of_only_done_gets_the_account_as_its_own_event():
-    out = _events(_with_ext("data: [DONE]\n\n", {"replica": "engine-0"}))
-    assert out[-1] == "data: [DONE]"
-    assert json.loads(out[0][6:])["rayattn"] == {"replica": "engine-0"}
-    assert json.loads(out[0][6:])["choices"] == []
-
-
 def test_a_whole_body_validation_error_reads_as_vllm_wrote_it():
     from pydantic import BaseModel, ValidationError, model_validator
 
