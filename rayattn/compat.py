@@ -441,7 +441,7 @@ def prompt_token_ids(engine_input: Any) -> list[int]:
     """The token ids of one rendered prompt (vLLM's EngineInput / TokensPrompt)."""
     ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) \
         else getattr(engine_input, "prompt_token_ids", None)
-    return list(ids or [])
+    return ids or []
 
 
 # --- parser registries ----------------------------------------------------------------------

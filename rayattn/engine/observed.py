@@ -11,7 +11,6 @@ multi-turn continuations) and the per-path metrics come from it.
 
 from __future__ import annotations
 
-import asyncio
 import contextvars
 import logging
 import time
@@ -30,7 +29,6 @@ class Observation:
 
     def __init__(self) -> None:
         self.start = time.monotonic()
-        self.first_token = asyncio.Event()
         self.first_token_at: float | None = None
         self.prompt_tokens = 0
         self.num_cached_tokens = 0
@@ -49,7 +47,6 @@ class Observation:
         self.completion_tokens += ids
         if ids and self.first_token_at is None:
             self.first_token_at = time.monotonic()
-            self.first_token.set()
         if first_request:
             # With n > 1 a streamed output holds whichever choices advanced: take choice 0's.
             for c in out.outputs:

@@ -10,7 +10,6 @@ request did in the engine (rayattn/engine/observed.py) for the router and the me
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 import time
@@ -55,21 +54,13 @@ class OpenAILayer:
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
         serving = self.chat.create_chat_completion if req.kind == "chat" \
             else self.completion.create_completion
-        # A task so that a non-streamed request can report its first token (the router
-        # counts the prefill as done) before the whole answer is there.
-        call = asyncio.ensure_future(serving(request, None))
-        first = asyncio.ensure_future(obs.first_token.wait())
-        try:
-            await asyncio.wait({call, first}, return_when=asyncio.FIRST_COMPLETED)
-            if not call.done():
-                yield Reply("", **self._inflight())
-            result = await call
-        finally:
-            first.cancel()
-            call.cancel()  # cancelling the serving call aborts the engine request
+        # Closing this generator cancels the call, which aborts the engine request. A
+        # non-streamed request's engine outputs come only at the end (vLLM's FINAL_ONLY),
+        # so its one item is the whole answer.
+        result = await serving(request, None)
         if isinstance(result, compat.openai_model("error")):
             status = int(getattr(result.error, "code", 400) or 400)
-            yield Reply(result.model_dump_json(), status, final=True, **self._inflight())
+            yield Reply(result.model_dump_json(), status, final=True, **self.report())
             return
         if hasattr(result, "model_dump_json"):
             yield self._final(req, obs, result.model_dump_json())
@@ -92,7 +83,7 @@ class OpenAILayer:
                 # item: the router puts its account on the last of those events.
                 if not obs.done and (last_sent is None or obs.outputs <= 1
                                      or now - last_sent >= req.stream_interval_s):
-                    yield Reply("".join(parts), **(self._inflight() if last_sent is None
+                    yield Reply("".join(parts), **(self.report() if last_sent is None
                                                    else {}))
                     parts, last_sent = [], now
         finally:
@@ -103,7 +94,7 @@ class OpenAILayer:
         reply = Reply(data, final=True, prompt_tokens=obs.prompt_tokens,
                       num_cached_tokens=obs.num_cached_tokens,
                       completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
-                      timings=obs.timings, served_by=self.identity, **self._inflight())
+                      timings=obs.timings, served_by=self.identity, **self.report())
         t = obs.timings
         if t and req.log:
             log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, ttft "
@@ -116,9 +107,6 @@ class OpenAILayer:
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply
-
-    def _inflight(self) -> dict[str, Any]:
-        return self.report()
 
 
 def _error_json(status: int, message: str) -> str:

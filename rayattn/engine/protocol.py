@@ -28,7 +28,7 @@ class OpenAIRequest:
 class Reply:
     data: str
     """SSE text (one or more `data: …` events) of a streamed response; the whole JSON body
-    of a non-streamed one or of an error; empty in a progress item."""
+    of a non-streamed one or of an error."""
     status: int = 200
     """HTTP status: vLLM's own for its errors (ErrorResponse.error.code)."""
     final: bool = False

@@ -156,6 +156,8 @@ class EngineReplica:
         """vLLM's OpenAI serving layer over this engine, built on first use (the router's
         first probe): vLLM builds it with async calls, and Serve constructs replicas
         synchronously."""
+        if self._openai_layer is not None:
+            return self._openai_layer
         async with self._openai_lock:
             if self._openai_layer is None:
                 from rayattn.config.plan import frontend_kwargs

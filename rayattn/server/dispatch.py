@@ -327,13 +327,14 @@ class Dispatcher:
         # prompt's are new: reuse its hashes.
         full = self.hasher.full_hashes(route.token_ids + last.token_ids[:-1],
                                        route.block_hashes)
-        self.policy.on_complete(d.replica, [to_key(h) for h in full])
+        self.policy.on_complete(d.replica, route.keys + [to_key(h) for h in
+                                                         full[len(route.block_hashes):]])
         t = last.timings
         self.policy.observe(d.replica, last.prompt_tokens - last.num_cached_tokens, t,
                             self.load.inflight[d.replica])
         if self.metrics is not None:
             self.metrics.outcome(d.predicted_cached_tokens, last.num_cached_tokens,
-                                 last.prompt_tokens, t.get("e2e_s", 0.0) if t else 0.0)
+                                 last.prompt_tokens, t.get("e2e_s", 0.0))
 
 
 def _request_error(e: BaseException) -> APIError:

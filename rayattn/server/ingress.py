@@ -38,9 +38,9 @@ class Ingress:
         self.cfg = parse_args(args)
         plan = build_plan(self.cfg, prepare_model=True)
         self.model_name = self.cfg.model.name
-        self.max_model_len = self.cfg.model.max_model_len or 0
         self.engine_kwargs = plan.engine_kwargs
         self._renderer_task: asyncio.Task[Renderer] | None = None
+        self._renderer: Renderer | None = None
         self._models: dict[str, Any] | None = None
         names = {f"engine-{i}": h for i, h in enumerate(engines)}
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
@@ -72,11 +72,14 @@ class Ingress:
                 Renderer.create(self.cfg, self.engine_kwargs))
 
     async def _renderer(self) -> Renderer:
+        if self._renderer is not None:
+            return self._renderer
         await self._start()
         task = self._renderer_task
         assert task is not None
         try:
-            return await asyncio.shield(task)
+            self._renderer = await asyncio.shield(task)
+            return self._renderer
         except Exception as e:  # e.g. the tokenizer not loadable here: retried next request
             log.error("vLLM's renderer could not be built: %r", e)
             if self._renderer_task is task:
@@ -157,7 +160,7 @@ class Ingress:
             slot.release()
             return e.response()
         data["request_id"] = rid
-        stream = bool(getattr(body, "stream", False))
+        stream = bool(body.stream)
         oreq = OpenAIRequest(kind, data, rid, self.cfg.router.stream_interval_ms / 1e3,
                              log=self.cfg.router.log_requests)
         route = self.dispatcher.route_request(
@@ -171,8 +174,6 @@ class Ingress:
             try:
                 async with asyncio.timeout_at(deadline):
                     first, decision = await anext(items)
-                    while not first.data and not first.final:  # progress, not output
-                        first, decision = await anext(items)
             except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
                 slot.release()
                 await items.aclose()
@@ -209,12 +210,14 @@ class Ingress:
         finally:
             slot.release()
         if last is None or decision is None:
-            return _early_error(StopAsyncIteration(), 0).response()
+            return APIError(503, "the engine ended the request without output",
+                            retry_after=2).response()
         if last.status != 200:
             return _passthrough(last, decision)
-        body = json.loads(last.data)
-        body["rayattn"] = _ext(last, decision, arrived)
-        return JSONResponse(body, headers={"x-rayattn-replica": decision.replica})
+        # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
+        return Response(_add_key(last.data, _ext(last, decision, arrived)),
+                        media_type="application/json",
+                        headers={"x-rayattn-replica": decision.replica})
 
     async def _sse(self, head: Reply, decision: Decision,
                    items: AsyncIterator[tuple[Reply, Decision]], arrived: float,
@@ -413,24 +416,22 @@ def _with_ext(sse: str, ext: dict[str, Any]) -> str:
     for i in range(len(events) - 1, -1, -1):
         ev = events[i]
         if ev.startswith("data: {"):
-            try:
-                payload = json.loads(ev[6:])
-            except ValueError:
-                return sse
-            if "error" not in payload:
-                payload["rayattn"] = ext
-                events[i] = "data: " + json.dumps(payload)
+            if not ev.startswith('data: {"error"'):
+                events[i] = "data: " + _add_key(ev[6:], ext)
             return "\n\n".join(events)
     return sse
 
 
+def _add_key(obj_json: str, ext: dict[str, Any]) -> str:
+    """A JSON object's text with "rayattn": ext as its last member."""
+    head = obj_json.rstrip()[:-1].rstrip()
+    return f'{head}{"" if head.endswith("{") else ","}"rayattn":{json.dumps(ext)}}}'
+
+
 def _passthrough(reply: Reply, d: Decision) -> Response:
-    """vLLM's own error answer, with its status code."""
-    try:
-        body = json.loads(reply.data)
-    except ValueError:
-        body = APIError(reply.status, reply.data[:500]).body()
-    return JSONResponse(body, status_code=reply.status, headers={"x-rayattn-replica": d.replica})
+    """vLLM's own error answer (JSON, as the engine always sends), with its status code."""
+    return Response(reply.data, status_code=reply.status, media_type="application/json",
+                    headers={"x-rayattn-replica": d.replica})
 
 
 def _ext(last: Any, d: Decision, arrived: float) -> dict:
