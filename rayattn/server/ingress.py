@@ -40,7 +40,7 @@ class Ingress:
         self.model_name = self.cfg.model.name
         self.engine_kwargs = plan.engine_kwargs
         self._renderer_task: asyncio.Task[Renderer] | None = None
-        self._renderer: Renderer | None = None
+        self._rendering: Renderer | None = None  # the built one, once the task is done
         self._models: dict[str, Any] | None = None
         names = {f"engine-{i}": h for i, h in enumerate(engines)}
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
@@ -72,14 +72,14 @@ class Ingress:
                 Renderer.create(self.cfg, self.engine_kwargs))
 
     async def _renderer(self) -> Renderer:
-        if self._renderer is not None:
-            return self._renderer
+        if self._rendering is not None:
+            return self._rendering
         await self._start()
         task = self._renderer_task
         assert task is not None
         try:
-            self._renderer = await asyncio.shield(task)
-            return self._renderer
+            self._rendering = await asyncio.shield(task)
+            return self._rendering
         except Exception as e:  # e.g. the tokenizer not loadable here: retried next request
             log.error("vLLM's renderer could not be built: %r", e)
             if self._renderer_task is task:
