@@ -36,7 +36,7 @@ async def batch(engine, n: int, tokens: int) -> float:
                                            "max_tokens": tokens, "ignore_eos": True,
                                            "temperature": 0, "request_id": rid}, rid)
         got = 0
-        async for item in engine.serve(req):
+        async for item in engine.serve(None, req):
             got += item.completion_tokens if item.final else 0
         return got
 
@@ -52,8 +52,8 @@ async def main_async(a: argparse.Namespace) -> dict:
 
     ray.init(num_cpus=2, include_dashboard=False)
     args = yaml.safe_load((ROOT / "deployments/local.yaml").read_text())["applications"][0]
-    engines = {"with_metrics": EngineReplica(args["args"], 0, metrics_enabled=True),
-               "without_metrics": EngineReplica(args["args"], 1, metrics_enabled=False)}
+    engines = {"with_metrics": EngineReplica(args["args"], metrics_enabled=True),
+               "without_metrics": EngineReplica(args["args"], metrics_enabled=False)}
     for e in engines.values():  # warm-up
         await batch(e, 4, 8)
     runs: dict[str, list[float]] = {k: [] for k in engines}

@@ -1,8 +1,8 @@
 """`import_path: rayattn.app:build_app` — the Serve application builder.
 
-One engine deployment per DP rank (`engine-<rank>`, one replica each, owning its devices
-through a placement group) behind one router/ingress deployment. See
-rayattn/server/dispatch.py for why ranks are separate deployments.
+One engine deployment (`engine`: one replica per DP rank, each owning its devices through a
+placement group; a fixed count or Serve autoscaling) behind one router/ingress deployment
+that chooses the replica for every call (routing/pinning.py, docs/routing.md).
 """
 
 from __future__ import annotations
@@ -11,10 +11,12 @@ from typing import Any
 
 from ray import serve
 from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
 
-from rayattn.config.loader import parse_args
+from rayattn.config.loader import ENGINE_DEPLOYMENT, parse_args
 from rayattn.config.plan import Plan, build_plan
 from rayattn.engine.replica import EngineReplica
+from rayattn.routing.pinning import REQUEST_ROUTER
 from rayattn.server.api import Router
 
 
@@ -37,7 +39,7 @@ ROUTER_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
 
-def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
+def engine_options(plan: Plan) -> dict[str, Any]:
     cfg = plan.config
     bundle0 = plan.bundles[0]
     actor: dict[str, Any] = {
@@ -50,9 +52,16 @@ def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
     actor["runtime_env"] = runtime_env
     routers = (cfg.serve.ingress_autoscaling or {}).get("max_replicas",
                                                          cfg.serve.ingress_replicas)
+    scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
+    if cfg.serve.engine_autoscaling is not None:
+        scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.serve_config()}
     return dict(
-        name=f"engine-{rank}",
-        num_replicas=1,
+        name=ENGINE_DEPLOYMENT,
+        **scaling,
+        request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER),
+        # A rolling update replaces max(20 %, 1) replicas at a time; with surge, the new
+        # ones start before the old ones stop (each needs its own devices meanwhile).
+        max_surge_percent=cfg.serve.engine_max_surge_percent,
         # Each router caps its own generation calls at serve.max_ongoing_requests per engine
         # (rayattn/server/dispatch.py); Serve's cap sits above what all routers together can
         # send, so probes and snapshots never queue behind generation.
@@ -63,7 +72,8 @@ def engine_options(plan: Plan, rank: int) -> dict[str, Any]:
         health_check_period_s=cfg.serve.health_check_period_s,
         logging_config={"enable_access_log": cfg.serve.access_log},
         health_check_timeout_s=max(30.0, cfg.serve.health_check_period_s * 3),
-        # Let in-flight generations finish on scale-down or redeploy.
+        # A leaving replica (scale-down, update) gets no new calls; let its running
+        # generations finish.
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
     )
 
@@ -75,8 +85,7 @@ def build_app(args: dict[str, Any]) -> Application:
     # reconfigure) and are not part of anyone's init args: changing them restarts nothing,
     # and engines never see them.
     shared = {k: v for k, v in args.items() if k != "router"}
-    engines = [Engine.options(**engine_options(plan, rank)).bind(shared, rank)
-               for rank in range(plan.replicas)]
+    engines = Engine.options(**engine_options(plan)).bind(shared)
     router_opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
@@ -84,6 +93,9 @@ def build_app(args: dict[str, Any]) -> Application:
                                                         **ROUTER_SERVE_ENV}}},
         max_ongoing_requests=ROUTER_SERVE_CAP,
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
+        # Routers are cheap (no devices): on an update the new one starts before the old
+        # one drains, so the HTTP front door never has zero replicas.
+        max_surge_percent=100,
         logging_config={"enable_access_log": cfg.serve.access_log},
         user_config=cfg.router.model_dump(mode="json"),
     )

@@ -109,12 +109,16 @@ class RayattnApp:
         wait_http(f"{self.url}/health", timeout, ok)
         return time.time() - self.t0
 
-    def engine_info(self, rank: int) -> dict:
-        """EngineReplica.info() of one rank, called through its Serve handle."""
+    def engine_infos(self) -> list[dict]:
+        """EngineReplica.info() of every replica up, each called through the engine
+        deployment's handle pinned to it, in rank order."""
+        import httpx
         from ray import serve
 
-        h = serve.get_deployment_handle(f"engine-{rank}", app_name="rayattn")
-        return h.info.remote().result(timeout_s=120)
+        h = serve.get_deployment_handle("engine", app_name="rayattn")
+        names = httpx.get(f"{self.url}/health", timeout=30).json()["replicas_up"]
+        infos = [h.info.remote(n).result(timeout_s=120) for n in names]
+        return sorted(infos, key=lambda i: i["rank"])
 
     def scrape(self) -> str:
         import httpx

@@ -44,7 +44,7 @@ def main() -> int:
         app = RayattnApp(args, num_gpus=n)
         report["startup_s"] = app.wait(500)
         log(f"DP{a.dp} x TP{a.tp} healthy after {report['startup_s']:.0f} s")
-        infos = [app.engine_info(r) for r in range(a.dp)]
+        infos = app.engine_infos()
         report["engines"] = infos
         table = ray.util.placement_group_table()
         report["placement_groups"] = table

@@ -219,7 +219,7 @@ def main() -> int:
 
         # --- DP2 × TP1: distinct GPUs, reported by the engines themselves ---------------
         try:
-            infos = [app.engine_info(r) for r in range(2)]
+            infos = app.engine_infos()
             report["engines"], report["gpu_processes"] = infos, gpu_processes()
             report["health"] = httpx.get(f"{app.url}/health", timeout=30).json()
             devs = [i.get("devices") for i in infos]

@@ -7,7 +7,12 @@ running routers through `reconfigure`. Anything under `args:` is part of the app
 code version in Serve (a hash of import path, runtime env and args), so changing it
 restarts every replica, engines included. `args.router` is still accepted (it is the
 default the router starts with) but a `user_config` given for the router replaces it, as
-Serve does at run time."""
+Serve does at run time.
+
+Engine replica counts likewise belong to the `engine` deployment's entry (`num_replicas`, or
+`autoscaling_config`): Serve scales the running deployment without restarting its
+replicas. They are read into `parallelism.data_parallel_size` / `serve.engine_autoscaling`
+so that `rayattn check` and the KubeRay renderer see what Serve will run."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from rayattn.config.schema import RayAttnConfig
 
 APP_IMPORT_PATH = "rayattn.app:build_app"
 ROUTER_DEPLOYMENT = "router"
+ENGINE_DEPLOYMENT = "engine"
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -63,6 +69,13 @@ def app_args(app: dict[str, Any]) -> dict[str, Any]:
     for d in app.get("deployments") or []:
         if d.get("name") == ROUTER_DEPLOYMENT and d.get("user_config") is not None:
             args["router"] = d["user_config"]
+        if d.get("name") == ENGINE_DEPLOYMENT:
+            if d.get("num_replicas") is not None:
+                args["parallelism"] = {**(args.get("parallelism") or {}),
+                                       "data_parallel_size": d["num_replicas"]}
+            if d.get("autoscaling_config") is not None:
+                args["serve"] = {**(args.get("serve") or {}),
+                                 "engine_autoscaling": d["autoscaling_config"]}
     return args
 
 

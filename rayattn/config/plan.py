@@ -43,6 +43,13 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
     @property
+    def replica_range(self) -> tuple[int, int]:
+        """Fewest and most engine replicas (equal unless the engines autoscale)."""
+        auto = self.config.serve.engine_autoscaling
+        return (auto.min_replicas, auto.max_replicas) if auto else (self.replicas,
+                                                                      self.replicas)
+
+    @property
     def gpus_per_replica(self) -> int:
         return 0 if self.config.platform.kind == "cpu" else \
             self.config.parallelism.gpus_per_replica
@@ -63,13 +70,17 @@ class Plan:
             f"parallel:   TP={c.parallelism.tensor_parallel_size} "
             f"PP={c.parallelism.pipeline_parallel_size} EP={c.parallelism.enable_expert_parallel}"
             f" DP-attention={c.parallelism.dp_attention}",
-            f"replicas:   {self.replicas} engine replica(s) (DP), "
+            f"replicas:   {self._replicas_text()} engine replica(s) (DP), "
             f"{c.serve.ingress_replicas} router replica(s), policy={c.router.policy}",
             f"placement:  {self.strategy} {self.bundles} per replica",
             "env:        " + ", ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
         ]
         lines += [f"note:       {n}" for n in self.notes]
         return "\n".join(lines)
+
+    def _replicas_text(self) -> str:
+        lo, hi = self.replica_range
+        return str(lo) if lo == hi else f"{lo}..{hi} (autoscaled)"
 
 
 def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,

@@ -258,6 +258,37 @@ class RouterConfig(_Strict):
     """`ray_prefix` policy: max-min queue gap beyond which it falls back to power-of-two."""
 
 
+class EngineAutoscaling(_Strict):
+    """Serve autoscaling of the engine replicas (Serve's default policy: replicas =
+    ongoing requests / target_ongoing_requests, within [min_replicas, max_replicas]). A new
+    replica joins every router as soon as its engine answers; a leaving one gets no new
+    requests and finishes its running ones (serve.graceful_shutdown_timeout_s)."""
+
+    min_replicas: PositiveInt = 1
+    """Fewest engine replicas (each loads the model: no scale to zero)."""
+    max_replicas: PositiveInt = 1
+    """Most engine replicas; the KubeRay manifest's worker group may grow to hold them."""
+    target_ongoing_requests: float = Field(16, gt=0)
+    """Requests in flight per replica that Serve aims for (running + waiting in vLLM)."""
+    upscale_delay_s: float = Field(30, ge=0)
+    """How long the load must ask for more replicas before one is added."""
+    downscale_delay_s: float = Field(600, ge=0)
+    """How long the load must ask for fewer replicas before one is drained and removed
+    (a removed replica's prefix cache is lost: keep this long)."""
+    look_back_period_s: float = Field(30, gt=0)
+    """Window over which ongoing requests are averaged."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> EngineAutoscaling:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+    def serve_config(self) -> dict[str, Any]:
+        return self.model_dump()
+
+
 class ServeSettings(_Strict):
     max_ongoing_requests: PositiveInt = 64
     """Generation requests one router replica sends one engine replica at once; more wait in
@@ -267,7 +298,16 @@ class ServeSettings(_Strict):
     """Router (ingress) replicas. Several independent routers agree on affinity via
     rendezvous tie-breaking on the prefix hash (see docs)."""
     ingress_autoscaling: dict[str, Any] | None = None
-    """Ray Serve autoscaling_config for the ingress (engines are sized by DP instead)."""
+    """Ray Serve autoscaling_config for the ingress."""
+    engine_autoscaling: EngineAutoscaling | None = None
+    """Autoscale the engine replicas instead of running parallelism.data_parallel_size of
+    them. Also read from the Serve config's `engine` deployment `autoscaling_config`, where
+    a change is applied without restarting engines."""
+    engine_max_surge_percent: int = Field(0, ge=0, le=100)
+    """Extra engine replicas (percent of the count, rounded up) Serve may start during a
+    rolling update before stopping old ones. 0 (default): one replica is drained and
+    replaced at a time while the others serve — no extra devices needed, one replica's
+    capacity missing meanwhile."""
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     """Extra Ray actor options for engine replicas (runtime_env, resources, …)."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"

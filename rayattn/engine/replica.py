@@ -1,9 +1,10 @@
 """The engine replica: a Ray Serve deployment whose replica owns one vLLM AsyncLLM.
 
-Each DP rank is its own single-replica deployment (`engine-<rank>`), so the router addresses
-ranks explicitly; see rayattn/app.py for why. The replica's devices are reserved by the
-placement group Serve creates from the plan's bundles; vLLM's Ray executor (TP×PP > 1)
-schedules its workers into that same group.
+All engine replicas (rayattn's DP ranks) are one Serve deployment, autoscaled and updated by
+Serve; the router chooses the replica for each call, and every method here takes the chosen
+replica's id first (routing/pinning.py) and refuses a call meant for another. The replica's
+devices are reserved by the placement group Serve creates from the plan's bundles; vLLM's Ray
+executor (TP×PP > 1) schedules its workers into that same group.
 """
 
 from __future__ import annotations
@@ -20,12 +21,13 @@ from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.engine.protocol import OpenAIRequest, Reply
+from rayattn.routing.pinning import Misrouted
 
 log = logging.getLogger("rayattn.engine")
 
 
 class EngineReplica:
-    def __init__(self, args: dict[str, Any], rank: int, metrics_enabled: bool = True) -> None:
+    def __init__(self, args: dict[str, Any], metrics_enabled: bool = True) -> None:
         from rayattn import logs
 
         logs.setup()
@@ -49,10 +51,9 @@ class EngineReplica:
 
         from rayattn.metrics.engine_metrics import EngineMetrics, make_step_logger_factory
 
-        self.rank = rank
+        self.replica_id, self.rank = _serve_identity()
         self.cfg, self.plan = cfg, plan
-        self.replica_id = _replica_id(rank)
-        self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id, rank)
+        self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id, self.rank)
                         if metrics_enabled else None)
         kwargs = dict(plan.engine_kwargs)
         loggers: list[Any] = [RayPrometheusStatLogger]
@@ -79,7 +80,7 @@ class EngineReplica:
         self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
         self._info = {
-            "rank": rank,
+            "rank": self.rank,
             "replica": self.replica_id,
             "pid": os.getpid(),
             "backend": plan.backend.name,
@@ -100,8 +101,13 @@ class EngineReplica:
                                                               exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._info)
 
-    async def info(self) -> dict[str, Any]:
+    def _pinned(self, target: str | None) -> None:
+        if target is not None and target != self.replica_id:
+            raise Misrouted(f"call for engine replica {target} reached {self.replica_id}")
+
+    async def info(self, target: str | None) -> dict[str, Any]:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
+        self._pinned(target)
         await self.engine.check_health()
         await self._openai()
         if self.metrics is not None:
@@ -138,15 +144,17 @@ class EngineReplica:
         # actor with a dead engine core must count as unhealthy.
         await self.engine.check_health()
 
-    async def kv_snapshot(self) -> Any:
+    async def kv_snapshot(self, target: str | None) -> Any:
         """The blocks this engine caches now and the event sequence number that reflects
         (routers resync their view of this engine from it)."""
+        self._pinned(target)
         from rayattn.routing.kv_events import Snapshot
 
         return self.kv_mirror.snapshot() if self.kv_mirror is not None else Snapshot(-1, [])
 
-    async def reset_prefix_cache(self) -> bool:
+    async def reset_prefix_cache(self, target: str | None) -> bool:
         """Empty the prefix cache (benchmarks compare policies from the same cold start)."""
+        self._pinned(target)
         done = bool(await self.engine.reset_prefix_cache())
         if done and self.kv_mirror is not None:
             self.kv_mirror.reset()
@@ -165,18 +173,20 @@ class EngineReplica:
 
                 self._openai_layer = await OpenAILayer.create(
                     self.engine, self.plan.engine_kwargs, frontend_kwargs(self.cfg),
-                    {"engine": f"engine-{self.rank}", "replica": self.replica_id,
+                    {"engine": self.replica_id, "rank": self.rank,
                      "pid": os.getpid()},
                     self.metrics, self._inflight_report)
             return self._openai_layer
 
-    async def models(self) -> dict[str, Any]:
+    async def models(self, target: str | None = None) -> dict[str, Any]:
         """`/v1/models` as vLLM serves it."""
+        self._pinned(target)
         return await (await self._openai()).list_models()
 
-    async def serve(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
+    async def serve(self, target: str | None, req: OpenAIRequest) -> AsyncIterator[Reply]:
         """One OpenAI request through vLLM's serving layer, counted in this engine's
         in-flight requests per sending router while it runs."""
+        self._pinned(target)
         layer = await self._openai()
         self._inflight_by_origin[req.origin] += 1
         self._inflight_seq += 1
@@ -190,10 +200,13 @@ class EngineReplica:
                 del self._inflight_by_origin[req.origin]
 
 
-def _replica_id(rank: int) -> str:
+def _serve_identity() -> tuple[str, int]:
+    """This replica's id (what the router calls it) and its rank among the deployment's
+    replicas (the DP rank in metrics; Serve keeps ranks 0..n-1 as replicas come and go)."""
     try:
         from ray import serve
 
-        return serve.get_replica_context().replica_tag
-    except Exception:
-        return f"engine-{rank}"
+        ctx = serve.get_replica_context()
+        return ctx.replica_tag, int(ctx.rank.rank) if ctx.rank is not None else 0
+    except Exception:  # constructed outside Serve (bench/metrics_overhead.py)
+        return f"engine-{os.getpid()}", 0

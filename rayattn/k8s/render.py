@@ -32,10 +32,16 @@ PRODUCTS = {"MI300X": "AMD_Instinct_MI300X_OAM", "MI325X": "AMD_Instinct_MI325X_
 SHM_GIB = {"MI300X": 64, "MI325X": 64, "MI355X": 128}
 
 
-def worker_nodes(plan: Plan) -> int:
+def worker_nodes(plan: Plan, replicas: int) -> int:
     per_node = plan.config.platform.gpus_per_node
     replicas_per_node = max(1, per_node // max(1, plan.gpus_per_replica))
-    return math.ceil(plan.replicas / replicas_per_node)
+    return math.ceil(replicas / replicas_per_node)
+
+
+def node_range(plans: list[Plan]) -> tuple[int, int]:
+    """Fewest and most GPU worker nodes the engine replicas need (autoscaled or fixed)."""
+    return (sum(worker_nodes(p, p.replica_range[0]) for p in plans),
+            sum(worker_nodes(p, p.replica_range[1]) for p in plans))
 
 
 API_KEYS_SECRET = "rayattn-api-keys"
@@ -94,7 +100,10 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     if plat.kind != "rocm":
         raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
     per_node = plat.gpus_per_node
-    nodes = sum(worker_nodes(p) for p in plans)
+    min_nodes, max_nodes = node_range(plans)
+    # With engine autoscaling, Ray's autoscaler adds a worker node when Serve's new replica
+    # cannot be placed and removes one left idle; without it the group is fixed.
+    elastic = max_nodes > min_nodes
     acc = plat.accelerator_type or "MI300X"
     head_ports = [{"containerPort": 6379, "name": "gcs-server"},
                   {"containerPort": 8265, "name": "dashboard"},
@@ -116,7 +125,7 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     }
     worker = {
         "groupName": f"{acc.lower()}-workers",
-        "replicas": nodes, "minReplicas": nodes, "maxReplicas": nodes,
+        "replicas": min_nodes, "minReplicas": min_nodes, "maxReplicas": max_nodes,
         "numOfHosts": 1,
         "rayStartParams": {"num-gpus": str(per_node),
                            "metrics-export-port": str(METRICS_PORT),
@@ -146,8 +155,13 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
             "deploymentUnhealthySecondThreshold": 1800,
             "serveConfigV2": yaml.safe_dump(serve_config_for_pod(serve_config),
                                             sort_keys=False),
-            "rayClusterConfig": {"rayVersion": RAY_VERSION, "enableInTreeAutoscaling": False,
-                                 "headGroupSpec": head, "workerGroupSpecs": [worker]},
+            "rayClusterConfig": {
+                "rayVersion": RAY_VERSION, "enableInTreeAutoscaling": elastic,
+                **({"autoscalerOptions": {
+                    # A GPU node that held a drained replica goes after 10 idle minutes
+                    # (a new one takes minutes to join and load the model).
+                    "idleTimeoutSeconds": 600, "upscalingMode": "Default"}} if elastic else {}),
+                "headGroupSpec": head, "workerGroupSpecs": [worker]},
         },
     }
 

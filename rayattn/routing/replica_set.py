@@ -1,8 +1,12 @@
-"""Which engine replicas exist and which are up, from the engines themselves.
+"""Which engine replicas exist and which are up.
 
-A replica is out only when Ray says its actor is dead or its engine says it is dead
-(`check_health` raising inside `info()`): a slow answer proves nothing under saturation, so
-a probe that times out leaves the replica up and its cache view intact. A new PID means
+Which exist comes from Serve (routing/pinning.py: the engine deployment's replicas as its
+request router hears of them, so a replica that starts under autoscaling or a rolling update
+joins, and one that is leaving drops out before it drains). Which are up comes from the
+engines themselves: a replica is out only when Ray says its actor is dead or its engine
+says it is dead (`check_health` raising inside `info()`): a slow answer proves nothing
+under saturation, so a probe that times out leaves the replica up and its cache view
+intact. A new PID means
 Serve replaced the replica (its cache starts empty). The same poll brings each engine's count
 of the requests in it per sending router, from which every router takes the others' load
 (routing/load.py).
@@ -22,6 +26,8 @@ from typing import Any
 
 from ray import exceptions as ray_exc
 
+from rayattn.routing.pinning import Membership, Misrouted, PinnedHandle
+
 log = logging.getLogger("rayattn.router")
 
 # Errors that mean the replica (not the request) is gone.
@@ -32,6 +38,9 @@ REPLICA_DEAD: tuple[type[BaseException], ...] = (
 def engine_dead(e: BaseException) -> bool:
     """True when `e` says the engine replica is gone (not that one request was bad)."""
     if isinstance(e, REPLICA_DEAD):
+        return True
+    # Raised by a replica for a call meant for one that has just left: route it again.
+    if isinstance(e, Misrouted) or isinstance(getattr(e, "cause", None), Misrouted):
         return True
     # gRPC transport: Serve maps UNAVAILABLE (and a peer's CANCELLED before the handler ran)
     # to ActorUnavailableError; a replica that goes away mid-stream can still surface as the
@@ -64,17 +73,21 @@ class Replica:
 
 
 class ReplicaSet:
-    def __init__(self, handles: dict[str, Any], on_up: Callable[[Replica], bool],
+    def __init__(self, engines: Any, on_up: Callable[[Replica], bool],
                  on_down: Callable[[Replica], None],
                  on_info: Callable[[Replica], None] = lambda r: None, period_s: float = 0.5,
                  timeout_s: float = 10.0) -> None:
-        self.replicas = {n: Replica(n, h) for n, h in handles.items()}
+        self._engines = engines  # the engine deployment's handle
+        self.replicas: dict[str, Replica] = {}
         self._on_up, self._on_down, self._on_info = on_up, on_down, on_info
         self.period_s, self.timeout_s = period_s, timeout_s
         self._task: asyncio.Task | None = None
         self._ready = asyncio.Event()
+        self._known = asyncio.Event()
         self._recheck: asyncio.Task | None = None
         self._lock = asyncio.Lock()
+        self.joined = 0
+        """Replicas that ever joined (Serve started them: scale-up, update, replacement)."""
 
     def live(self) -> list[str]:
         return [n for n, r in self.replicas.items() if r.up]
@@ -84,13 +97,40 @@ class ReplicaSet:
         return r is not None and r.up
 
     async def start(self) -> None:
-        """Start probing (once, however many requests call this at once) and return when
-        the first round is done."""
+        """Learn the members and start probing (once, however many requests call this at
+        once); return when the first round is done."""
         if self._task is None:
+            Membership.subscribe(self._engines.app_name, self._engines.deployment_name,
+                                 self._members)
+            # The handle's Serve router (and with it the request router that publishes the
+            # members) starts with the handle's first use.
+            self._engines.options()
             self._task = detached(self._loop())
         await self._ready.wait()
 
+    def _members(self, names: list[str]) -> None:
+        """Serve's current replicas of the engine deployment: new ones are probed at once,
+        leaving ones are out at once (Serve no longer sends them new calls; their running
+        requests finish there)."""
+        for name in [n for n in self.replicas if n not in names]:
+            r = self.replicas.pop(name)
+            log.info("engine %s left the deployment", name)
+            self.mark_down(r, "left the deployment (scale-down or update)")
+        fresh = [n for n in names if n not in self.replicas]
+        for name in fresh:
+            self.replicas[name] = Replica(name, PinnedHandle(self._engines, name))
+            self.joined += 1
+        self._known.set()
+        if fresh and self._task is not None:
+            detached(self.refresh())
+
     async def _loop(self) -> None:
+        try:
+            # Serve tells a new handle its replicas within milliseconds; don't wait long
+            # for a deployment that has none yet.
+            await asyncio.wait_for(self._known.wait(), timeout=5)
+        except TimeoutError:
+            pass
         while True:
             try:
                 await self.refresh()
@@ -101,11 +141,13 @@ class ReplicaSet:
 
     async def refresh(self) -> None:
         async with self._lock:
-            await asyncio.gather(*(self._probe(r) for r in self.replicas.values()))
+            await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
 
     async def _probe(self, r: Replica) -> None:
         try:
             info = await asyncio.wait_for(r.handle.info.remote(), timeout=self.timeout_s)
+            if self.replicas.get(r.name) is not r:
+                return  # it left while the probe ran
         except TimeoutError:
             r.slow_probes += 1
             if r.up:
@@ -142,7 +184,10 @@ class ReplicaSet:
     def dead(self, name: str, cause: BaseException) -> None:
         """A call to `name` failed with a replica-dead error: out now, probe soon (one
         extra round, however many calls failed)."""
-        self.mark_down(self.replicas[name], type(cause).__name__)
+        r = self.replicas.get(name)
+        if r is None:
+            return  # it already left the deployment
+        self.mark_down(r, type(cause).__name__)
         if self._recheck is None or self._recheck.done():
             self._recheck = detached(self.refresh())
 

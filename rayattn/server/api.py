@@ -56,3 +56,6 @@ class Router(Ingress):
     async def reconfigure(self, router: dict[str, Any]) -> None:
         # async: Serve then runs it on the replica's event loop, where the KV feeds live.
         self.apply_router_config(router)
+        # Serve calls this once before the replica takes traffic: a router that starts
+        # while others serve (an update) knows the engines before its first request.
+        await self._start()

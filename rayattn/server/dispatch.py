@@ -4,13 +4,9 @@ The pieces around it each do one job: `ReplicaSet` (membership, probes, engine-r
 `CacheView` (the index and its KV-event feeds), `LoadTracker`, the policy, `Admission` and
 `RouterMetrics`. This module wires them and holds the one retry loop.
 
-Why explicit per-rank deployments instead of a custom Ray Serve RequestRouter: the router
-must send *this* request to *that* replica. Serve's RequestRouter hands the chosen replica
-to the oldest pending request under FIFOMixin (inexact affinity under concurrency), and
-without it concurrent child calls of one ingress request hang; it also needs back-off
-handling to avoid a spinning routing loop. One single-replica deployment per DP rank gives
-exact, lock-free choice, stable rank identities for the index and metrics, and Serve still
-restarts a failed rank.
+The engine replicas are one Serve deployment (autoscaled, rolled one replica at a time,
+drained when leaving); which replica serves a request is still decided here, and the call is
+pinned to it (routing/pinning.py). See docs/routing.md for the choice and its cost.
 
 Failure semantics: an error the engine raises about the request itself (vLLM's
 validation: ValueError / TypeError) is the client's: one 400 with vLLM's message, never
@@ -76,7 +72,7 @@ POLICY_FIELDS = ("policy", "load_epsilon", "load_slack", "min_match_fraction",
 
 
 class Dispatcher:
-    def __init__(self, cfg: RayAttnConfig, block_size: int, engines: dict[str, Any],
+    def __init__(self, cfg: RayAttnConfig, block_size: int, engines: Any,
                  policy: str | None = None, metrics: bool = True) -> None:
         self.cfg = cfg
         # Names this router in the engines' per-origin in-flight counts (routing/load.py).
@@ -299,7 +295,9 @@ class Dispatcher:
                     prefill_pending = False
                 if chunk.inflight_by_origin is not None and self.replicas.is_up(replica):
                     self.load.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
-                if chunk.final and chunk.timings:  # it ran (not an error answer)
+                # Learn only from a request that ran (not an error answer) on a replica
+                # still in the set: one that left must not re-enter the index.
+                if chunk.final and chunk.timings and self.replicas.is_up(replica):
                     try:
                         self._learn(d, route, chunk)
                     except Exception:  # learning must never fail a served request

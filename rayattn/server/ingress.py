@@ -30,7 +30,7 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
-    def __init__(self, args: dict[str, Any], engines: list[Any],
+    def __init__(self, args: dict[str, Any], engines: Any,
                  policy: str | None = None) -> None:
         from rayattn import logs
 
@@ -42,8 +42,7 @@ class Ingress:
         self._renderer_task: asyncio.Task[Renderer] | None = None
         self._rendering: Renderer | None = None  # the built one, once the task is done
         self._models: dict[str, Any] | None = None
-        names = {f"engine-{i}": h for i, h in enumerate(engines)}
-        self.dispatcher = Dispatcher(self.cfg, plan.block_size, names, policy)
+        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines, policy)
         self.keys = Keys.from_env(self.cfg.router)
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
@@ -308,13 +307,15 @@ class Ingress:
         d = self.dispatcher
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
                 "reason": None if live else self._not_ready().message,
-                "replicas": len(d.replicas.replicas), "policy": d.policy.name,
+                "replicas": len(d.replicas.replicas), "joined": d.replicas.joined,
+                "policy": d.policy.name,
                 "router_pid": os.getpid(),
                 "limits": {"max_inflight": d.admission.limit},
                 "index": d.view.mode,
                 "counts": {**d.counts, "admitted_now": d.admission.inflight,
                            "admitted_peak": d.admission.peak},
                 "engines": {n: {"up": r.up, "pid": r.info.get("pid"),
+                                "rank": r.info.get("rank"),
                                 "inflight": d.load.inflight[n], "local": d.load.local[n],
                                 "unfinished": r.info.get("unfinished"),
                                 "downs": r.downs, "slow_probes": r.slow_probes,

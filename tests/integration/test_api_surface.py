@@ -25,7 +25,7 @@ def keyed(server):
 
     args = local_args()
     args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True}
-    engines = [serve.get_deployment_handle(f"engine-{i}", app_name="rayattn") for i in (0, 1)]
+    engines = serve.get_deployment_handle("engine", app_name="rayattn")
     env = {"runtime_env": {"env_vars": {"TEST_API_KEYS": "key-one, key-two"}}}
     serve.run(Router.options(name="router-keyed", ray_actor_options=env).bind(args, engines),
               name="keyed", route_prefix="/keyed", blocking=False)

@@ -17,29 +17,39 @@ MODEL = "smollm2"
 
 
 class Load:
-    """`streams` closed-loop clients, each streaming chat completions until stopped."""
+    """`streams` closed-loop clients, each streaming chat completions until stopped; every
+    request's outcome is kept as (finished at, status, replica that served it)."""
 
     def __init__(self, url: str, streams: int = 8) -> None:
-        self.url, self.codes, self._stop = url, [], threading.Event()
+        self.url, self.done, self._stop = url, [], threading.Event()
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(streams)]
+
+    @property
+    def codes(self) -> list[int]:
+        return [code for _, code, _ in self.done]
+
+    def served_by(self, replica: str, since: float = 0.0) -> int:
+        return sum(1 for t, code, r in self.done if r == replica and code == 200 and t >= since)
 
     def _run(self, i: int) -> None:
         with httpx.Client(timeout=120) as c:
             n = 0
             while not self._stop.is_set():
                 n += 1
+                replica = None
                 try:
                     with c.stream("POST", f"{self.url}/v1/chat/completions", json={
                             "model": MODEL, "max_tokens": 8, "stream": True,
                             "messages": [{"role": "user", "content": f"stream {i} req {n}"}]},
                             headers={"x-session-id": f"s{i}"}) as r:
+                        replica = r.headers.get("x-rayattn-replica")
                         lines = [ln for ln in r.iter_lines() if ln.startswith("data: ")]
                     ok = r.status_code == 200 and lines[-1:] == ["data: [DONE]"] and \
                         not any('"error"' in ln for ln in lines)
-                    self.codes.append(200 if ok else (r.status_code if r.status_code != 200
-                                                      else 599))
+                    code = 200 if ok else (r.status_code if r.status_code != 200 else 599)
                 except httpx.HTTPError:
-                    self.codes.append(-1)
+                    code = -1
+                self.done.append((time.time(), code, replica))
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -54,6 +64,29 @@ class Load:
 
 def _health(url: str) -> dict:
     return httpx.get(f"{url}/health", timeout=30).json()
+
+
+def _wait(what: str, check, timeout_s: float = 300):
+    """Poll `check()` (through a router that may itself be replaced) until it is truthy."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        try:
+            out = check()
+            if out:
+                return out
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _engine_entry(cfg: dict) -> dict:
+    deployments = cfg["applications"][0].setdefault("deployments", [])
+    entry = next((d for d in deployments if d["name"] == "engine"), None)
+    if entry is None:
+        entry = {"name": "engine"}
+        deployments.append(entry)
+    return entry
 
 
 def _router_settings(cfg: dict) -> dict:
@@ -103,40 +136,95 @@ def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
 
 
 @pytest.mark.disruptive
-def test_engine_setting_change_replaces_engines_and_leaves_no_process(ray_cluster, server):
-    """An engine setting is part of the app's code version: Serve replaces the engine
-    replicas. The old replicas' vLLM processes must be gone within 30 s of the new ones
-    serving (a leftover engine would hold its GPU)."""
+def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
+    """Engine autoscaling set on the engine deployment in the Serve config (no engine
+    restart): idle, the deployment drains to one replica; under 8 streams Serve adds a
+    second, which the router uses within seconds of its engine answering; with the load
+    down to one stream it drains back to one. Not one request fails throughout."""
     from rayattn.app import deploy_config
 
-    before = _health(server)["engines"]
-    old_engine_pids = [p for e in before.values() for p in e["engine_pids"]]
-    assert old_engine_pids
     cfg = local_config()
-    changed = copy.deepcopy(cfg)
-    changed["applications"][0]["args"]["engine"]["max_num_seqs"] = 24
-
-    def replaced(old: dict) -> dict:
-        deadline = time.time() + 300
-        while time.time() < deadline:
-            try:
-                h = _health(server)
-                engines = h["engines"]
-                if (len(h["replicas_up"]) == len(old) and
-                        all(engines[n]["pid"] != old[n]["pid"] for n in old)):
-                    return engines
-            except (httpx.HTTPError, ValueError, KeyError):
-                pass  # the router itself is being replaced too
-            time.sleep(1)
-        raise AssertionError("engine replicas were not replaced")
-
+    elastic = copy.deepcopy(cfg)
+    _engine_entry(elastic)["autoscaling_config"] = {
+        "min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 3,
+        "upscale_delay_s": 2, "downscale_delay_s": 8, "look_back_period_s": 4}
+    before = _health(server)
     try:
-        deploy_config(changed)
-        new = replaced(before)
-        done = time.time()
-        left = still_running(old_engine_pids, until=done + 30)
-        assert not left, f"old engine processes still running 30 s later: {left}"
-        assert all(e["engine_pids"] for e in new.values())
+        deploy_config(elastic)
+        with Load(server, streams=1) as light:
+            one = _wait("scale-down to one replica while idle",
+                        lambda: (h := _health(server))["replicas"] == 1 and
+                        len(h["replicas_up"]) == 1 and h["replicas_up"], 120)
+        with Load(server, streams=8) as load:
+            t_load = time.time()
+            up = _wait("a second engine replica", lambda: [
+                n for n in _health(server)["replicas_up"] if n not in one], 300)[0]
+            t_up = time.time()
+            first = _wait("the new replica serving", lambda: next(
+                (t for t, code, r in load.done if r == up and code == 200), None), 60)
+            time.sleep(10)
+        blocks = _health(server)["engines"][up]["cache_view"]["blocks"]
+        with Load(server, streams=1) as drain:
+            _wait("scale-down back to one replica",
+                  lambda: _health(server)["replicas"] == 1, 180)
+            t_down = time.time()
+            time.sleep(3)
+        after = _health(server)
     finally:
         deploy_config(cfg)
-        replaced(new if "new" in locals() else before)
+        _wait("two replicas again", lambda: len(_health(server)["replicas_up"]) == 2, 300)
+    print(f"\nautoscale: idle drain {len(light.done)} requests ({light.codes.count(200)} ok); "
+          f"8 streams {len(load.done)} requests ({load.codes.count(200)} ok), second replica "
+          f"up {t_up - t_load:.1f}s after the load began, serving {first - t_up:.1f}s after "
+          f"it joined, {load.served_by(up)} requests there; drain under 1 stream: "
+          f"{len(drain.done)} requests ({drain.codes.count(200)} ok), "
+          f"{t_down - t_up:.1f}s after scale-up")
+    for run in (light, load, drain):
+        assert run.done and run.codes.count(200) == len(run.done), run.codes
+    assert first - t_up < 15
+    assert load.served_by(up) >= 8 and load.served_by(one[0]) >= 8
+    assert blocks > 0  # the router follows the new replica's cache (its KV events)
+    assert after["joined"] > before["joined"]
+    assert len(after["replicas_up"]) == 1 and after["counts"]["failed"] == \
+        before["counts"]["failed"]
+
+
+@pytest.mark.disruptive
+def test_rolling_engine_update_under_load_fails_nothing(ray_cluster, server):
+    """An engine setting change (max_num_seqs) under 8 streams: Serve replaces the engine
+    replicas one at a time (and the router, new one first) while the others serve; no
+    request fails and the old replicas' vLLM processes are gone within 30 s. The
+    deployment stays on the changed setting (a rollback would be a second roll of the
+    same kind, for nothing)."""
+    from rayattn.app import deploy_config
+
+    before = _health(server)
+    old = {n: e["engine_pids"] for n, e in before["engines"].items()}
+    assert len(old) == 2 and all(old.values())
+    changed = local_config()
+    changed["applications"][0]["args"]["engine"]["max_num_seqs"] = 24
+    up_counts = []
+    with Load(server, streams=8) as load:
+        time.sleep(3)
+        t0 = time.time()
+        deploy_config(changed)
+
+        def replaced() -> bool:
+            h = _health(server)
+            up_counts.append(len(h["replicas_up"]))
+            return len(h["replicas_up"]) == 2 and not set(h["replicas_up"]) & set(old)
+
+        _wait("both engine replicas replaced", replaced, 480)
+        took = time.time() - t0
+        time.sleep(3)
+    after = _health(server)
+    left = still_running([p for pids in old.values() for p in pids], until=time.time() + 30)
+    new = set(after["replicas_up"])
+    print(f"\nrolling update: {len(load.done)} requests ({load.codes.count(200)} ok) in "
+          f"{took:.0f}s; replicas up while rolling: min {min(up_counts)}; requests on the new "
+          f"replicas {sum(load.served_by(n) for n in new)}")
+    assert load.done and load.codes.count(200) == len(load.done), load.codes
+    assert min(up_counts) >= 1  # never without a serving engine
+    assert after["router_pid"] != before["router_pid"]  # args are the app's code version
+    assert all(load.served_by(n, since=t0) > 0 for n in new)
+    assert not left, f"old engine processes still running 30 s later: {left}"

@@ -61,7 +61,7 @@ def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
     from rayattn.app import Router
 
     reset("affinity")
-    engines = [serve.get_deployment_handle(f"engine-{i}", app_name="rayattn") for i in (0, 1)]
+    engines = serve.get_deployment_handle("engine", app_name="rayattn")
     serve.run(Router.options(name="router-b").bind(local_args(), engines), name="second",
               route_prefix="/second", blocking=False)
     other = f"{server}/second"

@@ -84,7 +84,8 @@ def test_both_replicas_serve_requests(server):
     rs = asyncio.run(go())
     assert all(r.status_code == 200 for r in rs)
     replicas = {r.headers["x-rayattn-replica"] for r in rs}
-    assert replicas == {"engine-0", "engine-1"}
+    assert len(replicas) == 2 and replicas == set(httpx.get(f"{server}/health").json()
+                                                  ["replicas_up"])
 
 
 def _post(server: str, body, path: str = "/v1/chat/completions", **kw) -> httpx.Response:
@@ -151,7 +152,8 @@ def test_oversized_body_and_unknown_route(server):
 def test_models_and_health(server):
     assert httpx.get(f"{server}/v1/models").json()["data"][0]["id"] == MODEL
     h = httpx.get(f"{server}/health").json()
-    assert h["status"] == "ok" and sorted(h["replicas_up"]) == ["engine-0", "engine-1"]
+    assert h["status"] == "ok" and len(h["replicas_up"]) == 2
+    assert sorted(e["rank"] for e in h["engines"].values()) == [0, 1]
     assert h["reason"] is None
 
 
@@ -178,11 +180,19 @@ def test_disconnect_mid_stream_aborts_engine_request(server):
 def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
     from ray import serve
 
-    from rayattn.app import Router
+    from rayattn.app import Engine, Router, engine_options
+    from rayattn.config.loader import parse_args
+    from rayattn.config.plan import build_plan
     from tests.conftest import local_args
 
-    serve.run(Router.options(name="router-empty").bind(local_args(), []), name="empty",
-              route_prefix="/empty", blocking=False)
+    # An engine deployment none of whose replicas can start (its model is missing).
+    broken = {**local_args(), "model": {**local_args()["model"], "source": "/nonexistent"}}
+    opts = engine_options(build_plan(parse_args(local_args())))
+    none = Engine.options(**opts).bind(broken)
+    # That app never runs: don't wait for it.
+    serve.run_many([serve.RunTarget(Router.options(name="router-empty").bind(local_args(), none),
+                                    name="empty", route_prefix="/empty")],
+                   wait_for_applications_running=False)
     deadline = time.time() + 120
     while time.time() < deadline:
         r = httpx.post(f"{server}/empty/v1/chat/completions", timeout=30,

@@ -40,9 +40,9 @@ def test_single_gpu_replicas_keep_rays_device_assignment(platform):
     assert "distributed_executor_backend" not in plan.engine_kwargs  # in-process worker
     assert plan.bundles == [{"GPU": 1.0, "CPU": 1.0}] and plan.replicas == 8
     # Each DP rank's replica actor holds its one GPU: Ray sets its visibility variable.
-    opts = engine_options(plan, 3)
-    assert opts["ray_actor_options"]["num_gpus"] == 1
-    assert opts["name"] == "engine-3" and opts["placement_group_strategy"] == "STRICT_PACK"
+    opts = engine_options(plan)
+    assert opts["ray_actor_options"]["num_gpus"] == 1 and opts["num_replicas"] == 8
+    assert opts["name"] == "engine" and opts["placement_group_strategy"] == "STRICT_PACK"
     assert not [v for v in ALL_NOSET if v in opts["ray_actor_options"]["runtime_env"]["env_vars"]]
 
 
@@ -54,7 +54,7 @@ def test_rocm_ray_executor_replicas_set_noset_and_copy_it(tp, pp):
         assert var in plan.env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"].split(",")
     assert plan.engine_kwargs["distributed_executor_backend"] == "ray"
     assert len(plan.bundles) == tp * pp and all(b["GPU"] == 1 for b in plan.bundles)
-    opts = engine_options(plan, 0)
+    opts = engine_options(plan)
     # The replica actor holds no GPU itself: vLLM's Ray workers take the bundles' GPUs.
     assert opts["ray_actor_options"]["num_gpus"] == 0
     assert opts["placement_group_bundles"] == plan.bundles
@@ -67,7 +67,7 @@ def test_cuda_ray_executor_replicas_need_no_noset(tp):
     plan = _plan("cuda", tp=tp, dp=1)
     assert not [v for v in ALL_NOSET if v in plan.env], plan.env
     assert plan.engine_kwargs["distributed_executor_backend"] == "ray"
-    assert engine_options(plan, 0)["ray_actor_options"]["num_gpus"] == 0
+    assert engine_options(plan)["ray_actor_options"]["num_gpus"] == 0
 
 
 def test_user_env_still_wins():
