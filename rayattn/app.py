@@ -22,7 +22,12 @@ from rayattn.server.api import Router
 
 @serve.deployment
 class Engine(EngineReplica):
-    pass
+    async def __init__(self, args: dict[str, Any]) -> None:  # Serve awaits an async init
+        super().__init__(args)
+        # Serve lists a replica to the routers as soon as this returns: have vLLM's OpenAI
+        # layer built by then, so that a router's first probe answers at once. During a
+        # rolling update the old replica leaves the moment this one is listed.
+        await self._openai()
 
 
 # Serve slots per engine kept free of generation for the routers' control calls.

@@ -357,6 +357,16 @@ class RayAttnConfig(_Strict):
         return self
 
     @model_validator(mode="after")
+    def _one_replica_count(self) -> RayAttnConfig:
+        if self.serve.engine_autoscaling is not None and \
+                self.parallelism.data_parallel_size != 1:
+            raise ValueError("parallelism.data_parallel_size: a fixed engine replica count "
+                             "conflicts with serve.engine_autoscaling (the engine "
+                             "deployment's autoscaling_config); set min_replicas = "
+                             "max_replicas there for a fixed count")
+        return self
+
+    @model_validator(mode="after")
     def _cpu_needs_kv_bytes(self) -> RayAttnConfig:
         if self.platform.kind == "cpu" and self.engine.kv_cache_memory_bytes is None:
             raise ValueError(

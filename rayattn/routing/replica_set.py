@@ -30,6 +30,9 @@ from rayattn.routing.pinning import Membership, Misrouted, PinnedHandle
 
 log = logging.getLogger("rayattn.router")
 
+# How long a starting router waits for one of the existing engine replicas to answer.
+READY_WAIT_S = 60.0
+
 # Errors that mean the replica (not the request) is gone.
 REPLICA_DEAD: tuple[type[BaseException], ...] = (
     ray_exc.RayActorError, ray_exc.ActorDiedError, ray_exc.ActorUnavailableError)
@@ -131,12 +134,19 @@ class ReplicaSet:
             await asyncio.wait_for(self._known.wait(), timeout=5)
         except TimeoutError:
             pass
+        started = time.monotonic()
         while True:
             try:
                 await self.refresh()
             except Exception:  # the probe must outlive any one bad round
                 log.exception("engine probe failed")
-            self._ready.set()
+            # Ready once one replica is up, or at once when none exists yet (an app that
+            # is starting). A router that starts next to serving engines (a rolling update)
+            # takes traffic only after it reached one of them: a busy engine may miss the
+            # first probe.
+            if self.live() or not self.replicas or \
+                    time.monotonic() - started > READY_WAIT_S:
+                self._ready.set()
             await asyncio.sleep(self.period_s)
 
     async def refresh(self) -> None:

@@ -65,6 +65,9 @@ class Slot:
             self._admission = None
 
 
+# How long a request waits for an engine replica when some exist but none is up.
+NO_REPLICA_GRACE_S = 10.0
+
 # RouterConfig fields a policy is built from; other settings apply without rebuilding it.
 POLICY_FIELDS = ("policy", "load_epsilon", "load_slack", "min_match_fraction",
                  "prefill_s_per_token", "extend_s_per_context_token", "decode_s_per_request",
@@ -254,8 +257,15 @@ class Dispatcher:
         """Live replicas (untried ones first) below this router's per-engine cap of
         serve.max_ongoing_requests; waits here, in the router, while all are at the cap."""
         cap = self.cfg.serve.max_ongoing_requests
+        since = time.monotonic()
         while True:
             live = self.live()
+            if not live and self.replicas.replicas and \
+                    time.monotonic() - since < NO_REPLICA_GRACE_S:
+                # Replicas exist but none is up this instant (a retry right after the last
+                # one was marked down, a probe that missed under load): wait a moment.
+                await asyncio.sleep(0.1)
+                continue
             if not live:
                 self._reject(503)
                 raise APIError(503, "no engine replica is ready", retry_after=5)
