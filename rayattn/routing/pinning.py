@@ -77,7 +77,11 @@ class Membership:
     def publish(cls, app: str, deployment: str, replicas: list[str]) -> None:
         key = (app, deployment)
         cls._latest[key] = replicas
-        for loop, callback in cls._listeners.get(key, []):
+        listeners = cls._listeners.get(key, [])
+        for loop, callback in list(listeners):
+            if loop.is_closed():  # its router is gone
+                listeners.remove((loop, callback))
+                continue
             loop.call_soon_threadsafe(callback, list(replicas))
 
     @classmethod

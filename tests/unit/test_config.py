@@ -204,3 +204,35 @@ def test_frontend_settings_reach_engine_and_router_alike():
     assert front["tool_call_parser"] == "deepseek_v3" and front["enable_auto_tool_choice"]
     assert front["enable_prompt_tokens_details"]  # cached_tokens in usage
     assert front["served_model_name"] == ["deepseek-r1"]
+
+
+def test_engine_replica_counts_come_from_the_engine_deployment_entry():
+    """`rayattn check` and the KubeRay renderer see the counts Serve will run: the engine
+    deployment's autoscaling_config / num_replicas in the Serve config."""
+    from rayattn.app import engine_options
+    from rayattn.config.loader import app_args
+
+    app = yaml.safe_load((ROOT / "deployments/llama.yaml").read_text())["applications"][0]
+    cfg = parse_args(app_args(app))
+    auto = cfg.serve.engine_autoscaling
+    assert (auto.min_replicas, auto.max_replicas) == (2, 8)
+    assert build_plan(cfg).replica_range == (2, 8)
+    assert engine_options(build_plan(cfg))["autoscaling_config"]["max_replicas"] == 8
+    app["deployments"] = [{"name": "engine", "num_replicas": 3}]
+    assert parse_args(app_args(app)).parallelism.data_parallel_size == 3
+
+
+@pytest.mark.parametrize("change,fragment", [
+    ({"serve": {"engine_autoscaling": {"min_replicas": 3, "max_replicas": 2}}},
+     "min_replicas (3) is above max_replicas (2)"),
+    ({"parallelism": {"data_parallel_size": 2},
+      "serve": {"engine_autoscaling": {"max_replicas": 2}}},
+     "parallelism.data_parallel_size: a fixed engine replica count conflicts"),
+    ({"serve": {"engine_autoscaling": {"max_replica": 2}}},
+     "serve.engine_autoscaling.max_replica: unknown field"),
+])
+def test_engine_autoscaling_is_validated(change, fragment):
+    args = {"model": {"source": "rayattn://smollm2-135m"}, "platform": {"kind": "cpu"},
+            "engine": {"kv_cache_memory_bytes": 2**30}, **change}
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+        parse_args(args)

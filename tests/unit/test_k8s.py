@@ -74,19 +74,23 @@ def test_schema_validation_catches_a_broken_manifest(rendered):
         jsonschema.validate(bad, crd_schema("ray.io_rayservices.yaml"))
 
 
-@pytest.mark.parametrize("name,nodes,gpus,backend", [
-    ("deepseek", 1, "8", "ROCM_AITER_TRITON_MLA"),
-    ("qwen3", 1, "8", "ROCM_AITER_FA"),
-    ("llama", 1, "8", "ROCM_AITER_FA"),  # DP 2 × TP4 packs onto one 8-GPU node
+@pytest.mark.parametrize("name,nodes,max_nodes,gpus,backend", [
+    ("deepseek", 1, 1, "8", "ROCM_AITER_TRITON_MLA"),
+    ("qwen3", 1, 1, "8", "ROCM_AITER_FA"),
+    # 2..8 autoscaled replicas of TP4: two per 8-GPU node, so one node to four
+    ("llama", 1, 4, "8", "ROCM_AITER_FA"),
 ])
-def test_sizing_env_and_embedded_serve_config(rendered, name, nodes, gpus, backend):
+def test_sizing_env_and_embedded_serve_config(rendered, name, nodes, max_nodes, gpus,
+                                              backend):
     svc = rendered[f"{name}.yaml"][0]
     serve_cfg = yaml.safe_load(svc["spec"]["serveConfigV2"])
     (_, cfg), = rayattn_apps(serve_cfg)
     plan = build_plan(cfg)  # the embedded serve config passes `rayattn check`
     assert plan.backend.name == backend
     wg = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]
-    assert wg["replicas"] == nodes
+    assert wg["replicas"] == wg["minReplicas"] == nodes and wg["maxReplicas"] == max_nodes
+    # Ray's autoscaler runs exactly when Serve may add engine replicas that need new nodes.
+    assert svc["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] == (max_nodes > nodes)
     c = wg["template"]["spec"]["containers"][0]
     assert c["resources"]["limits"]["amd.com/gpu"] == gpus
     env = {e["name"]: e for e in c["env"]}
