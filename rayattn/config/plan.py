@@ -40,14 +40,14 @@ class Plan:
     bundles: list[dict[str, float]]
     strategy: str
     replicas: int
+    """Engine replicas at start (the autoscaling minimum when the engines autoscale)."""
     notes: list[str] = field(default_factory=list)
 
     @property
     def replica_range(self) -> tuple[int, int]:
         """Fewest and most engine replicas (equal unless the engines autoscale)."""
         auto = self.config.serve.engine_autoscaling
-        return (auto.min_replicas, auto.max_replicas) if auto else (self.replicas,
-                                                                      self.replicas)
+        return (self.replicas, auto.max_replicas if auto else self.replicas)
 
     @property
     def gpus_per_replica(self) -> int:
@@ -227,8 +227,10 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         notes.append("prefix caching is off: the affinity router can only balance load")
 
     bundles, strategy = placement(cfg)
+    auto = cfg.serve.engine_autoscaling
+    replicas = auto.min_replicas if auto else cfg.parallelism.data_parallel_size
     return Plan(cfg, arch, spec, reason, block_size, env, kwargs, bundles, strategy,
-                cfg.parallelism.data_parallel_size, notes)
+                replicas, notes)
 
 
 def default_block_size(platform: str, spec: backends.BackendSpec) -> int:
