@@ -25,8 +25,8 @@ class Engine(EngineReplica):
     async def __init__(self, args: dict[str, Any]) -> None:  # Serve awaits an async init
         super().__init__(args)
         # Serve lists a replica to the routers as soon as this returns: have vLLM's OpenAI
-        # layer built by then, so that a router's first probe answers at once. During a
-        # rolling update the old replica leaves the moment this one is listed.
+        # layer built by then, so that a router's first probe answers at once (during a
+        # rolling update the next old replica is stopped the moment this one is listed).
         await self._openai()
 
 

@@ -229,6 +229,10 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     bundles, strategy = placement(cfg)
     auto = cfg.serve.engine_autoscaling
     replicas = auto.min_replicas if auto else cfg.parallelism.data_parallel_size
+    if replicas == 1 and cfg.serve.engine_max_surge_percent == 0:
+        notes.append("one engine replica and serve.engine_max_surge_percent 0: an engine "
+                     "update stops it before its replacement serves (set the surge to 100 "
+                     "if a spare replica's devices exist)")
     return Plan(cfg, arch, spec, reason, block_size, env, kwargs, bundles, strategy,
                 replicas, notes)
 

@@ -260,7 +260,8 @@ class RouterConfig(_Strict):
 
 class EngineAutoscaling(_Strict):
     """Serve autoscaling of the engine replicas (Serve's default policy: replicas =
-    ongoing requests / target_ongoing_requests, within [min_replicas, max_replicas]). A new
+    ongoing requests / target_ongoing_requests, within [min_replicas, max_replicas]).
+    Defaults are Serve's: an `autoscaling_config` in the Serve config replaces them whole. A new
     replica joins every router as soon as its engine answers; a leaving one gets no new
     requests and finishes its running ones (serve.graceful_shutdown_timeout_s)."""
 
@@ -268,7 +269,7 @@ class EngineAutoscaling(_Strict):
     """Fewest engine replicas (each loads the model: no scale to zero)."""
     max_replicas: PositiveInt = 1
     """Most engine replicas; the KubeRay manifest's worker group may grow to hold them."""
-    target_ongoing_requests: float = Field(16, gt=0)
+    target_ongoing_requests: float = Field(2, gt=0)
     """Requests in flight per replica that Serve aims for (running + waiting in vLLM)."""
     upscale_delay_s: float = Field(30, ge=0)
     """How long the load must ask for more replicas before one is added."""
@@ -276,13 +277,18 @@ class EngineAutoscaling(_Strict):
     """How long the load must ask for fewer replicas before one is drained and removed
     (a removed replica's prefix cache is lost: keep this long)."""
     look_back_period_s: float = Field(30, gt=0)
-    """Window over which ongoing requests are averaged."""
+    """Window over which ongoing requests are averaged (longer than metrics_interval_s)."""
+    metrics_interval_s: float = Field(10, gt=0)
+    """How often replicas report their ongoing requests to Serve's autoscaler."""
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:
         if self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
                              f"({self.max_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed "
+                             f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
     def serve_config(self) -> dict[str, Any]:

@@ -42,7 +42,7 @@ class Reply:
     """On the final item of a request that ran: ttft_s, prefill_s, queue_s, e2e_s, itl_s,
     path, and the prefill's span on the engine's clock (scheduled_ts, first_token_ts)."""
     served_by: dict[str, Any] = field(default_factory=dict)
-    """On the final item: the engine's own identity (rank name, replica, pid), so clients
+    """On the final item: the engine's own identity (replica id, rank, pid), so clients
     and tests can check where a request really ran, independently of the router."""
     inflight_by_origin: dict[str, int] | None = None
     """On the first and the final item: the engine's in-flight requests per sending router
@@ -50,3 +50,9 @@ class Reply:
     seconds: with several routers a stale report of the others' load fired the guard."""
     inflight_stamp: tuple[int, int] | None = None
     """(engine pid, change counter) of `inflight_by_origin`, so the newest report wins."""
+
+
+class Misrouted(RuntimeError):
+    """Raised by an engine replica for a call aimed at another replica (it left, or was
+    replaced, between the router's choice and the call's delivery): the router routes the
+    request again (routing/pinning.py)."""

@@ -20,8 +20,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import OpenAIRequest, Reply
-from rayattn.routing.pinning import Misrouted
+from rayattn.engine.protocol import Misrouted, OpenAIRequest, Reply
 
 log = logging.getLogger("rayattn.engine")
 
@@ -117,7 +116,10 @@ class EngineReplica:
             self.metrics.info.set(1, {**self.metrics.tags, "tp": str(par.tensor_parallel_size),
                                       "ep": str(par.enable_expert_parallel).lower(),
                                       "platform": self.cfg.platform.kind})
-        return {**self._info, **(await compat.engine_device_info(self)),
+        # Serve renumbers ranks 0..n-1 as replicas come and go: report the current one
+        # (the metrics' dp_rank label keeps the rank this replica started with).
+        self.rank = _serve_identity()[1]
+        return {**self._info, "rank": self.rank, **(await compat.engine_device_info(self)),
                 "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
                 **self._inflight_report()}
 

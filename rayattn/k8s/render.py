@@ -39,9 +39,14 @@ def worker_nodes(plan: Plan, replicas: int) -> int:
 
 
 def node_range(plans: list[Plan]) -> tuple[int, int]:
-    """Fewest and most GPU worker nodes the engine replicas need (autoscaled or fixed)."""
+    """Fewest and most GPU worker nodes the engine replicas need (autoscaled or fixed, plus
+    a rolling update's surge)."""
+    def most(p: Plan) -> int:  # a rolling update's surge replicas need devices too
+        hi = p.replica_range[1]
+        return hi + math.ceil(hi * p.config.serve.engine_max_surge_percent / 100)
+
     return (sum(worker_nodes(p, p.replica_range[0]) for p in plans),
-            sum(worker_nodes(p, p.replica_range[1]) for p in plans))
+            sum(worker_nodes(p, most(p)) for p in plans))
 
 
 API_KEYS_SECRET = "rayattn-api-keys"

@@ -10,7 +10,8 @@ run (new, replaced, leaving) and publishes that to the rayattn router (`Membersh
 
 A call without a target (e.g. `/v1/models`) goes to any replica, least loaded first. A call
 whose target has just left reaches another replica, which refuses it (`Misrouted`) without
-running it, and the rayattn router re-routes it like a failed replica's request.
+running it (engine/protocol.py), and the rayattn router re-routes it like a failed
+replica's request.
 """
 
 from __future__ import annotations
@@ -28,11 +29,6 @@ log = logging.getLogger("rayattn.router")
 REQUEST_ROUTER = f"{__name__}:PinnedRequestRouter"
 
 
-class Misrouted(RuntimeError):
-    """Raised by an engine replica for a call aimed at another replica (it left, or was
-    replaced, between the router's choice and the call's delivery)."""
-
-
 def target_of(pending: PendingRequest | None) -> str | None:
     args = pending.args if pending is not None else None
     return args[0] if args and isinstance(args[0], str) else None
@@ -42,6 +38,10 @@ class PinnedRequestRouter(RequestRouter):
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None
                               ) -> list[list[RunningReplica]]:
+        if pending_request is not None:
+            # Without it Serve retries a full (or slow-to-answer) target at once, in a loop
+            # on the router's event loop.
+            pending_request.routing_context.should_backoff = True
         target = target_of(pending_request)
         if target is not None:
             for r in candidate_replicas:

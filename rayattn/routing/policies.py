@@ -272,8 +272,8 @@ class Affinity(Policy):
     def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],
                 running: int) -> None:
         if timings:
-            # Keyed by the router's replica name (not the engine's Serve tag, which changes
-            # with every restart) so a departed replica's measured speed leaves with it.
+            # Keyed by the replica's name so that a departed replica's measured speed
+            # leaves with it (forget_replica).
             if timings.get("first_token_ts"):
                 self.cost.observe_prefill(replica, timings["scheduled_ts"],
                                           timings["first_token_ts"], computed_tokens)

@@ -26,7 +26,8 @@ from typing import Any
 
 from ray import exceptions as ray_exc
 
-from rayattn.routing.pinning import Membership, Misrouted, PinnedHandle
+from rayattn.engine.protocol import Misrouted
+from rayattn.routing.pinning import Membership, PinnedHandle
 
 log = logging.getLogger("rayattn.router")
 

@@ -210,9 +210,10 @@ class Dispatcher:
         tried: set[str] = set()
         self.counts["sent"] += 1
         t0 = time.monotonic()
+        wait_until = t0 + NO_REPLICA_GRACE_S  # one grace per request, retries included
         try:
             for attempt in range(1 + self.cfg.router.max_retries):
-                candidates = await self._candidates(tried)
+                candidates = await self._candidates(tried, wait_until)
                 d = self.policy.choose(route, candidates)
                 d.loads = {r: self.load.inflight[r] for r in candidates}
                 tried.add(d.replica)
@@ -253,15 +254,13 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.e2e.observe(time.monotonic() - t0, self.metrics.base)
 
-    async def _candidates(self, tried: set[str]) -> list[str]:
+    async def _candidates(self, tried: set[str], wait_until: float) -> list[str]:
         """Live replicas (untried ones first) below this router's per-engine cap of
         serve.max_ongoing_requests; waits here, in the router, while all are at the cap."""
         cap = self.cfg.serve.max_ongoing_requests
-        since = time.monotonic()
         while True:
             live = self.live()
-            if not live and self.replicas.replicas and \
-                    time.monotonic() - since < NO_REPLICA_GRACE_S:
+            if not live and self.replicas.replicas and time.monotonic() < wait_until:
                 # Replicas exist but none is up this instant (a retry right after the last
                 # one was marked down, a probe that missed under load): wait a moment.
                 await asyncio.sleep(0.1)

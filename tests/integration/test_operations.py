@@ -150,7 +150,7 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     elastic = copy.deepcopy(cfg)
     _engine_entry(elastic)["autoscaling_config"].update(
         min_replicas=1, max_replicas=2, target_ongoing_requests=3, upscale_delay_s=2,
-        downscale_delay_s=8, look_back_period_s=4)
+        downscale_delay_s=8, look_back_period_s=4, metrics_interval_s=1)
     before = _health(server)
     try:
         deploy_config(elastic)

@@ -16,8 +16,12 @@ def _replica(name: str) -> SimpleNamespace:
 
 def _choose(target, replicas):
     router = PinnedRequestRouter.__new__(PinnedRequestRouter)  # choose needs no state
-    pending = SimpleNamespace(args=[target] if target is not None else [])
-    return asyncio.run(router.choose_replicas(replicas, pending))
+    pending = SimpleNamespace(args=[target] if target is not None else [],
+                              routing_context=SimpleNamespace(should_backoff=False))
+    out = asyncio.run(router.choose_replicas(replicas, pending))
+    # Serve retries a full target without pause unless told to back off.
+    assert pending.routing_context.should_backoff
+    return out
 
 
 def test_a_named_replica_gets_the_call_and_only_it():
@@ -40,3 +44,12 @@ def test_membership_reaches_late_and_early_listeners_on_their_loop():
         return heard
 
     assert asyncio.run(main()) == [["a", "b"], ["b", "c"]]
+
+
+def test_a_refused_call_counts_as_a_gone_replica_bare_or_wrapped_by_ray():
+    from rayattn.engine.protocol import Misrouted
+    from rayattn.routing.replica_set import engine_dead
+
+    assert engine_dead(Misrouted("x"))
+    assert engine_dead(SimpleNamespace(cause=Misrouted("x")))  # RayTaskError's `cause`
+    assert not engine_dead(ValueError("bad request"))
