@@ -114,10 +114,12 @@ ALERTS: list[Alert] = [
           " - avg by (model) (ray_rayattn_router_inflight)) > 4", "10m",
           "One replica holds twice the mean in-flight load and 4 requests more",
           "Check for a slow replica; else lower router.load_epsilon / router.load_slack."),
+    # Against the replicas Serve runs, not a past count: autoscaling and rolling updates
+    # remove replicas on purpose.
     Alert("RayattnReplicaDown",
-          "min by (model) (ray_rayattn_router_replicas_up) - "
-          "max by (model) (max_over_time(ray_rayattn_router_replicas_up[1h]))",
-          " < 0", "2m", "Fewer engine replicas up than in the last hour",
+          "max by (model) (ray_rayattn_router_replicas) - "
+          "min by (model) (ray_rayattn_router_replicas_up)",
+          " > 0", "2m", "An engine replica Serve runs is not serving",
           "Check the Serve controller logs and the engine replica's health check."),
 ]
 

@@ -35,6 +35,8 @@ class RouterMetrics:
                                   tag_keys=keys)
         self.replicas_up = rm.Gauge("rayattn_router_replicas_up", "Live engine replicas",
                                     tag_keys=keys)
+        self.replicas = rm.Gauge("rayattn_router_replicas",
+                                 "Engine replicas Serve runs (up or not)", tag_keys=keys)
         self.retries = rm.Counter("rayattn_router_retries_total",
                                   "Requests retried on another replica", tag_keys=keys)
         self.failures = rm.Counter("rayattn_router_failures_total",
@@ -59,8 +61,14 @@ class RouterMetrics:
                 counter.inc(value, self.base)
         self.e2e.observe(seconds, self.base)
 
-    def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float) -> None:
+    def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float,
+             members: int) -> None:
         for r in replicas:
             self.inflight.set(inflight.get(r, 0), {**self.base, "target": r})
         self.imbalance.set(imbalance, self.base)
         self.replicas_up.set(len(replicas), self.base)
+        self.replicas.set(members, self.base)
+
+    def left(self, replica: str) -> None:
+        # A replica that left (scale-down, update) keeps no stale in-flight value.
+        self.inflight.set(0, {**self.base, "target": replica})

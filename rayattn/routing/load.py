@@ -33,6 +33,8 @@ class LoadTracker:
         self.pending_prefill: dict[str, int] = defaultdict(int)
         """Tokens dispatched to a replica whose first token has not come back yet."""
         self._stamps: dict[str, tuple[int, int]] = {}
+        self._forgotten: set[str] = set()
+        """Replicas that left while this router still had requests there."""
         self.inflight = _Inflight(self)
 
     def reported(self, replica: str, by_origin: Mapping[str, int],
@@ -49,6 +51,7 @@ class LoadTracker:
     def acquire(self, replica: str, prefill_tokens: int) -> None:
         """One request of this router sent to `replica`, `prefill_tokens` of it uncached;
         released exactly once by `release`, however the call ends."""
+        self._forgotten.discard(replica)  # back (a transient down) or never gone
         self.local[replica] += 1
         self.pending_prefill[replica] += prefill_tokens
 
@@ -58,6 +61,14 @@ class LoadTracker:
     def release(self, replica: str, prefill_tokens_left: int = 0) -> None:
         self.local[replica] = max(0, self.local[replica] - 1)
         self.prefill_done(replica, prefill_tokens_left)
+        if replica in self._forgotten and self.local[replica] == 0:
+            self._drop(replica)
+
+    def _drop(self, replica: str) -> None:
+        # Replicas come and go under autoscaling: keep no entry for one that left.
+        self.local.pop(replica, None)
+        self.pending_prefill.pop(replica, None)
+        self._forgotten.discard(replica)
 
     def forget(self, replica: str) -> None:
         """A replica left the set. Only the other routers' report goes: this router's own
@@ -66,6 +77,9 @@ class LoadTracker:
         have its still-running requests forgotten."""
         self.others.pop(replica, None)
         self._stamps.pop(replica, None)
+        self._forgotten.add(replica)
+        if self.local.get(replica, 0) == 0:
+            self._drop(replica)
 
     def imbalance(self, replicas: list[str]) -> float:
         """max / mean in-flight (1.0 = perfectly even; 0 when idle)."""

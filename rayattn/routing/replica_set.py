@@ -6,10 +6,9 @@ joins, and one that is leaving drops out before it drains). Which are up comes f
 engines themselves: a replica is out only when Ray says its actor is dead or its engine
 says it is dead (`check_health` raising inside `info()`): a slow answer proves nothing
 under saturation, so a probe that times out leaves the replica up and its cache view
-intact. A new PID means
-Serve replaced the replica (its cache starts empty). The same poll brings each engine's count
-of the requests in it per sending router, from which every router takes the others' load
-(routing/load.py).
+intact. A replacement has a new id and joins with an empty view (as would an actor restarted
+under the same id: a new PID). The same poll brings each engine's count of the requests in
+it per sending router, from which every router takes the others' load (routing/load.py).
 
 Probes go to the engine deployment next to generation traffic; the engine deployment's
 Serve limit leaves room for them (rayattn/app.py), so they never queue behind generation.
@@ -126,7 +125,9 @@ class ReplicaSet:
             self.joined += 1
         self._known.set()
         if fresh and self._task is not None:
-            detached(self.refresh())
+            # Only the new ones, outside the round's lock: a round can wait 10 s on a busy
+            # engine, and a new replica should take traffic as soon as it answers.
+            detached(asyncio.gather(*(self._probe(self.replicas[n]) for n in fresh)))
 
     async def _loop(self) -> None:
         try:

@@ -110,7 +110,7 @@ class Dispatcher:
             live = self.live()
             if self.metrics is not None:
                 self.metrics.load(dict(self.load.inflight.items()), live,
-                                  self.load.imbalance(live))
+                                  self.load.imbalance(live), len(self.replicas.replicas))
             await asyncio.sleep(self.replicas.period_s)
 
     def _joined(self, r: Replica) -> bool:
@@ -131,6 +131,8 @@ class Dispatcher:
         return True
 
     def _left(self, r: Replica) -> None:
+        if self.metrics is not None:
+            self.metrics.left(r.name)
         self.view.leave(r.name)
         self.policy.forget_replica(r.name)
         self.load.forget(r.name)
