@@ -230,7 +230,7 @@ def test_load_is_exact_for_own_requests_and_reported_for_other_routers():
     load.forget("r0")  # marked down (e.g. a transient RPC error) while ours still runs
     assert load.inflight["r0"] == 1  # the other routers' report is gone, ours is not
     load.release("r0", 10)  # the running call ends and releases exactly once
-    assert load.inflight["r0"] == 0 and load.pending_prefill["r0"] == 0
+    assert load.inflight["r0"] == 0 and load.pending_prefill.get("r0", 0) == 0
     # A replica that left keeps no entry once its last call ended (replicas come and go).
     assert "r0" not in load.local and "r0" not in load.pending_prefill
     assert [r for r, _ in load.inflight.items()] == []
