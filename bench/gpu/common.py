@@ -95,7 +95,7 @@ class RayattnApp:
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.url = f"http://127.0.0.1:{port}"
         serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
-        self.replicas = args["parallelism"].get("data_parallel_size", 1)
+        self.replicas = args.get("parallelism", {}).get("data_parallel_size", 1)
         self.t0 = t0
 
     def wait(self, timeout: float) -> float:

@@ -127,7 +127,7 @@ class ReplicaSet:
         if fresh and self._task is not None:
             # Only the new ones, outside the round's lock: a round can wait 10 s on a busy
             # engine, and a new replica should take traffic as soon as it answers.
-            detached(asyncio.gather(*(self._probe(self.replicas[n]) for n in fresh)))
+            detached(self._probe_all([self.replicas[n] for n in fresh]))
 
     async def _loop(self) -> None:
         try:
@@ -150,6 +150,9 @@ class ReplicaSet:
                     time.monotonic() - started > READY_WAIT_S:
                 self._ready.set()
             await asyncio.sleep(self.period_s)
+
+    async def _probe_all(self, replicas: list[Replica]) -> None:
+        await asyncio.gather(*(self._probe(r) for r in replicas))
 
     async def refresh(self) -> None:
         async with self._lock:
