@@ -4,6 +4,7 @@ and no engine restarts (same PIDs, caches kept)."""
 from __future__ import annotations
 
 import copy
+import json
 import threading
 import time
 from collections import Counter
@@ -46,11 +47,13 @@ class Load:
                             headers={"x-session-id": f"s{i}"}) as r:
                         replica = r.headers.get("x-rayattn-replica")
                         lines = [ln for ln in r.iter_lines() if ln]
+                    # An error event has a top-level "error" (generated text may say it).
+                    events = [json.loads(ln[6:]) for ln in lines if ln.startswith("data: {")]
                     ok = r.status_code == 200 and lines[-1:] == ["data: [DONE]"] and \
-                        not any('"error"' in ln for ln in lines)
+                        not any("error" in e for e in events)
                     code = 200 if ok else (r.status_code if r.status_code != 200 else 599)
                     if not ok and len(self.errors) < 5:
-                        self.errors.append(f"{r.status_code}: {' '.join(lines)[:300]}")
+                        self.errors.append(f"{r.status_code}: {' '.join(lines)[-600:]}")
                 except httpx.HTTPError as e:
                     code = -1
                     if len(self.errors) < 5:
