@@ -59,7 +59,7 @@ def engine_options(plan: Plan) -> dict[str, Any]:
                                                          cfg.serve.ingress_replicas)
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
     if cfg.serve.engine_autoscaling is not None:
-        scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.serve_config()}
+        scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}
     return dict(
         name=ENGINE_DEPLOYMENT,
         **scaling,

@@ -115,7 +115,9 @@ class RayattnApp:
         import httpx
         from ray import serve
 
-        h = serve.get_deployment_handle("engine", app_name="rayattn")
+        from rayattn.config.loader import ENGINE_DEPLOYMENT
+
+        h = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="rayattn")
         names = httpx.get(f"{self.url}/health", timeout=30).json()["replicas_up"]
         infos = [h.info.remote(n).result(timeout_s=120) for n in names]
         return sorted(infos, key=lambda i: i["rank"])

@@ -291,9 +291,6 @@ class EngineAutoscaling(_Strict):
                              f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
-    def serve_config(self) -> dict[str, Any]:
-        return self.model_dump()
-
 
 class ServeSettings(_Strict):
     max_ongoing_requests: PositiveInt = 64

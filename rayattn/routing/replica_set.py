@@ -117,8 +117,10 @@ class ReplicaSet:
         requests finish there)."""
         for name in [n for n in self.replicas if n not in names]:
             r = self.replicas.pop(name)
-            log.info("engine %s left the deployment", name)
-            self.mark_down(r, "left the deployment (scale-down or update)")
+            log.info("engine %s left the deployment (scale-down or update)", name)
+            if r.up:  # a departure, not a failure: not counted in `downs`
+                r.up = False
+                self._on_down(r)
         fresh = [n for n in names if n not in self.replicas]
         for name in fresh:
             self.replicas[name] = Replica(name, PinnedHandle(self._engines, name))

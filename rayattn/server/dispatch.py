@@ -29,6 +29,7 @@ from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.cache_view import CacheView
 from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.load import LoadTracker
+from rayattn.routing.pinning import PinnedHandle
 from rayattn.routing.policies import Decision, RouteRequest, make_policy
 from rayattn.routing.replica_set import Replica, ReplicaSet, engine_dead
 from rayattn.server.errors import APIError
@@ -88,6 +89,8 @@ class Dispatcher:
         self._policy_settings = {k: getattr(cfg.router, k) for k in POLICY_FIELDS}
         self._policy_settings["policy"] = self.policy.name
         self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
+        self._engines = engines  # the engine deployment's handle
+        self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self.replicas = ReplicaSet(
             engines, self._joined, self._left,
             on_info=lambda r: self.load.reported(r.name, r.info.get("inflight_by_origin", {}),
@@ -288,10 +291,9 @@ class Dispatcher:
         gen = None
         try:
             self.policy.on_dispatch(replica, route)
-            handle = self.replicas.replicas[replica].handle
             d.dispatched_at = time.perf_counter()
             try:
-                gen = self._stream_handle(handle).serve.remote(req)
+                gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:
                 raise EngineCallError(e) from e
             while True:
@@ -321,13 +323,20 @@ class Dispatcher:
                 gen.cancel()
             self.load.release(replica, uncached if prefill_pending else 0)
 
-    def _stream_handle(self, handle: Any) -> Any:
-        if self.cfg.router.engine_transport == "grpc":
-            # Items are plain dataclasses of this package: the standard pickle is enough.
-            return handle.options(stream=True, _by_reference=False,
-                                  request_serialization="pickle",
-                                  response_serialization="pickle")
-        return handle.options(stream=True)
+    def _stream_handle(self, replica: str) -> PinnedHandle:
+        """The engine deployment's streaming handle, aimed at `replica`; built once per
+        transport (a live setting) rather than by Serve's `options()` on every request."""
+        transport = self.cfg.router.engine_transport
+        if self._streaming is None or self._streaming[0] != transport:
+            if transport == "grpc":
+                # Items are plain dataclasses of this package: the standard pickle is enough.
+                handle = self._engines.options(stream=True, _by_reference=False,
+                                               request_serialization="pickle",
+                                               response_serialization="pickle")
+            else:
+                handle = self._engines.options(stream=True)
+            self._streaming = (transport, handle)
+        return PinnedHandle(self._streaming[1], replica)
 
     def _learn(self, d: Decision, route: RouteRequest, last: Reply) -> None:
         # Multi-turn: the engine now caches the prompt and every generated token but the
