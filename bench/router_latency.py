@@ -15,9 +15,10 @@ import time
 from pathlib import Path
 
 from rayattn.config.schema import RouterConfig
+from rayattn.routing import policies
 from rayattn.routing.hashing import BlockHasher
 from rayattn.routing.load import LoadTracker
-from rayattn.routing.policies import RouteRequest, make_policy
+from rayattn.routing.policies import PolicyContext, RouteRequest
 from rayattn.routing.prefix_index import PrefixIndex
 
 
@@ -45,7 +46,7 @@ def main() -> None:
             idx.insert(r, chain)
     build_s = time.perf_counter() - t0
     total = sum(idx.size(n) for n in names)
-    pol = make_policy("affinity", idx, load, 32, RouterConfig())
+    pol = policies.build("affinity", PolicyContext(idx, load, 32), RouterConfig().model_dump())
     for n in names:
         for _ in range(rng.randint(0, 8)):
             load.acquire(n, rng.randint(0, 4000))

@@ -2,7 +2,7 @@
 
 One engine deployment (`engine`: one replica per DP rank, each owning its devices through a
 placement group; a fixed count or Serve autoscaling) behind one router/ingress deployment
-that chooses the replica for every call (routing/pinning.py, docs/routing.md).
+that chooses the replica for every call (server/pinning.py, docs/routing.md).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from ray.serve.config import RequestRouterConfig
 from rayattn.config.loader import ENGINE_DEPLOYMENT, parse_args
 from rayattn.config.plan import Plan, build_plan
 from rayattn.engine.replica import EngineReplica
-from rayattn.routing.pinning import REQUEST_ROUTER
 from rayattn.server.api import Router
+from rayattn.server.pinning import REQUEST_ROUTER
 
 
 @serve.deployment

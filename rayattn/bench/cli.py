@@ -8,7 +8,9 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-POLICIES = ["affinity", "round_robin", "power_of_two", "ray_prefix"]
+from rayattn.routing.policies import REGISTRY
+
+POLICIES = list(REGISTRY)
 
 
 def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str, float]:

@@ -1,34 +1,47 @@
-"""Discrete-event simulator of a rayattn fleet: N engine replicas with block-level LRU prefix
-caches, a per-path service-time model, and the *real* routing policy objects choosing
-replicas (rayattn.routing.policies — the same code the ingress runs).
+"""Discrete-event simulator of a rayattn fleet: N modelled engine replicas and the shipped
+routing core (rayattn/routing/core.py) choosing among them, through the same request
+lifecycle as the ingress (request → choose → dispatched → first token → finished → ended),
+so the policy's cost model refits from simulated engine timings exactly as it does from
+real ones.
 
-Engine model (one replica):
-  * prefill/extend are serialised on the replica (one context stream at a time), taking
-    uncached_tokens × prefill_s_per_token + cached_tokens × ctx_s_per_token;
-  * decode overlaps: each output token takes itl_base + itl_per_seq × (running sequences);
-  * the replica's prefix cache is an LRU of block keys bounded by its KV capacity, updated
-    with prompt + output blocks when a request finishes (as vLLM caches them).
-Coefficients default to values fitted from the CPU runs (bench/results) and can be refitted
-from the per-path metrics of a real deployment.
+Engine model (one replica), a step loop like vLLM's scheduler:
+  * every step runs all running sequences' next token plus prompt chunks from the waiting
+    queue (FIFO) up to `max_batched_tokens`, at most `max_seqs` sequences;
+  * a step takes itl_base_s + itl_per_seq_s × decodes + prefill_s_per_token × prompt
+    tokens computed + ctx_s_per_token × cached tokens the new prompts attend to;
+  * a prompt's cache hit is decided when it is first scheduled, by the replica's block LRU
+    (bounded by its KV capacity), with vLLM's rule (whole blocks, never the last token);
+    its blocks are cached once its prefill completes, prompt + output when it finishes.
+`hop_s` is added to every first token (router, proxy and streaming hops).
+
+Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
+from the command line (docs/gpu.md has the H200 ones).
+
+Two drivers: an open loop (each request's `arrival` is fixed) and a closed loop like
+`rayattn bench` (`concurrency` conversations at a time, a conversation's next turn
+`think_s` after its previous answer).
 """
 
 from __future__ import annotations
 
 import heapq
+import json
 import random
 import time
-from collections import defaultdict
-from dataclasses import dataclass, field
+from collections import defaultdict, deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 from rayattn.config.schema import RouterConfig
-from rayattn.routing.load import LoadTracker
-from rayattn.routing.policies import RouteRequest, make_policy
+from rayattn.routing.core import Finished, RoutingCore
+from rayattn.routing.policies import RouteRequest, cached_tokens
 from rayattn.routing.prefix_index import EventIndex, PrefixIndex
 
 
 @dataclass
 class SimRequest:
     arrival: float
+    """Open loop: when it arrives. Closed loop: ignored (the driver decides)."""
     keys: list[int]
     """Block keys of the prompt."""
     prompt_tokens: int
@@ -37,6 +50,7 @@ class SimRequest:
     output_tokens: int
     session: str
     text: str = ""
+    turn: int = 0
 
 
 @dataclass
@@ -47,6 +61,16 @@ class EngineModel:
     itl_per_seq_s: float = 0.002
     capacity_blocks: int = 360
     block_size: int = 32
+    max_batched_tokens: int = 2048
+    max_seqs: int = 64
+    hop_s: float = 0.0
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(asdict(self), indent=2))
+
+    @classmethod
+    def load(cls, path: Path) -> EngineModel:
+        return cls(**json.loads(Path(path).read_text()))
 
 
 @dataclass
@@ -60,140 +84,256 @@ class SimResult:
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
+    later_ttft_p50_s: float
+    later_ttft_p90_s: float
+    """TTFT of turns after a conversation's first."""
     max_replica_share: float
     load_imbalance: float
     """Time-averaged max/mean in-flight across replicas."""
+    sim_wall_s: float
+    """Simulated time from the first arrival to the last answer."""
     wall_s: float
+    """Real time the simulation took."""
     per_replica: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def hit_vs_oracle(self) -> float:
+        return self.hit_rate / self.oracle_hit_rate if self.oracle_hit_rate else 0.0
+
+
+@dataclass
+class _Seq:
+    i: int
+    req: SimRequest
+    router: int
+    decision: object
+    route: RouteRequest
+    arrived: float
+    left: int = 0
+    """Prompt tokens still to compute (set when first scheduled)."""
+    cached: int = -1
+    """Tokens served from cache (-1: not scheduled yet)."""
+    scheduled_ts: float = 0.0
+    first_token_ts: float = 0.0
+    outputs: int = 0
+
+
+class _Engine:
+    def __init__(self, name: str, model: EngineModel, truth: PrefixIndex) -> None:
+        self.name, self.m, self.truth = name, model, truth
+        self.waiting: deque[_Seq] = deque()
+        self.running: list[_Seq] = []
+        self.busy = False
+
+    def step(self, now: float) -> tuple[float, list[_Seq], list[_Seq]]:
+        """Run one step from `now`: (its end, sequences that got their first token,
+        sequences that finished)."""
+        m = self.m
+        decodes = [s for s in self.running if s.left == 0]
+        budget = m.max_batched_tokens - len(decodes)
+        prefill_tokens = ctx_tokens = 0
+        chunked: list[_Seq] = [s for s in self.running if s.left > 0]
+        for s in chunked:  # prompts already partly computed go first
+            take = min(s.left, max(budget, 0))
+            s.left -= take
+            budget -= take
+            prefill_tokens += take
+        while self.waiting and budget > 0 and len(self.running) < m.max_seqs:
+            s = self.waiting.popleft()
+            matched = self.truth.match(s.req.keys).get(self.name, 0)
+            s.cached = cached_tokens(s.req.prompt_tokens, matched, m.block_size)
+            s.scheduled_ts = now
+            s.left = s.req.prompt_tokens - s.cached
+            ctx_tokens += s.cached
+            take = min(s.left, budget)
+            s.left -= take
+            budget -= take
+            prefill_tokens += take
+            self.running.append(s)
+            chunked.append(s)
+        dt = (m.itl_base_s + m.itl_per_seq_s * len(decodes)
+              + m.prefill_s_per_token * prefill_tokens + m.ctx_s_per_token * ctx_tokens)
+        end = now + dt
+        first = [s for s in chunked if s.left == 0]
+        for s in first:
+            s.first_token_ts = end
+            s.outputs = 1
+            self.truth.insert(self.name, s.req.keys)
+        for s in decodes:
+            s.outputs += 1
+        done = [s for s in first + decodes if s.outputs >= s.req.output_tokens]
+        for s in done:
+            self.running.remove(s)
+            self.truth.insert(self.name, s.req.output_keys)
+        return end, first, done
 
 
 def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineModel,
              routers: int = 1, router_cfg: RouterConfig | None = None,
-             seed: int = 0, index: str = "predicted") -> SimResult:
+             seed: int = 0, index: str = "predicted", concurrency: int | None = None,
+             think_s: float = 0.0) -> SimResult:
     """`index`: `predicted` (each router's own LRU guess and its own dispatch counts) or
-    `events` (each router follows the engines' real caches and load counts, as with vLLM's KV
-    events; events are delivered instantly here)."""
+    `events` (each router follows the engines' real caches and load counts, as with vLLM's
+    KV events, delivered instantly here). `concurrency`: closed loop over the trace's
+    conversations (in order of first appearance); None: open loop on `arrival`."""
     t_wall = time.perf_counter()
     names = [f"engine-{i}" for i in range(replicas)]
-    views: list[EventIndex] = []
+    settings = {**(router_cfg or RouterConfig()).model_dump(), "policy": policy,
+                "index": index}
+    cores = [RoutingCore(settings, model.block_size, origin=str(r), seed=seed + r)
+             for r in range(routers)]
+    views = [c.index for c in cores if isinstance(c.index, EventIndex)]
 
     def evicted(rep: str, key: int) -> None:
         for v in views:
             v.removed(rep, [key])
 
-    cache = PrefixIndex(on_evict=evicted)  # ground truth: what each engine really holds
-    for n in names:
-        cache.add_replica(n, model.capacity_blocks)
-    # Independent ingress replicas: own index, own view of the load they dispatched.
-    fleet = []
-    for r in range(routers):
-        load = LoadTracker(origin=str(r))
-        idx: PrefixIndex = EventIndex() if index == "events" else PrefixIndex()
-        if isinstance(idx, EventIndex):
-            views.append(idx)
-        for n in names:
-            idx.add_replica(n, model.capacity_blocks)
-        fleet.append((make_policy(policy, idx, load, model.block_size, router_cfg,
-                                  seed=seed + r), load))
+    truth = PrefixIndex(on_evict=evicted)  # what each engine really holds
 
-    def store(rep: str, keys: list[int]) -> None:
-        cache.insert(rep, keys)
-        for v in views:
-            v.stored(rep, keys)
-    ctx_free_at = dict.fromkeys(names, 0.0)
-    running = dict.fromkeys(names, 0)
-    # Per replica, per router: what engines report as their in-flight count by origin.
-    running_by: dict[str, dict[str, int]] = {n: defaultdict(int) for n in names}
-    # (time, seq, kind, replica, request index, uncached tokens, router); kind 0 = first
-    # token (the router's pending prefill drains), 1 = request finished.
-    events: list[tuple[float, int, int, str, int, int, int]] = []
-    ttfts: list[float] = []
+    for n in names:
+        truth.add_replica(n, model.capacity_blocks)
+        for c in cores:
+            c.joined(n, model.block_size, model.capacity_blocks)
+    engines = {n: _Engine(n, model, truth) for n in names}
+    if views:
+        _forward_stores(truth, views)
+
+    # (time, seq, kind, payload): kind 0 arrival (payload request index), 1 engine step end
+    events: list[tuple[float, int, int, object]] = []
+    counter = 0
+
+    def push(t: float, kind: int, payload: object) -> None:
+        nonlocal counter
+        counter += 1
+        heapq.heappush(events, (t, counter, kind, payload))
+
+    convs: dict[str, list[int]] = defaultdict(list)
+    for i, r in enumerate(trace):
+        convs[r.session].append(i)
+    order = list(convs)
+    started = 0
+    if concurrency is None:
+        for i, r in enumerate(trace):
+            push(r.arrival, 0, i)
+    else:
+        for _ in range(min(concurrency, len(order))):
+            push(0.0, 0, convs[order[started]][0])
+            started += 1
+    next_turn = {idxs[k]: idxs[k + 1] for idxs in convs.values() for k in range(len(idxs) - 1)}
+
+    ttfts: dict[int, float] = {}
     hits = prompt_total = oracle_hits = 0
     seen_blocks: set[int] = set()
     per_replica: dict[str, int] = defaultdict(int)
+    inflight = dict.fromkeys(names, 0)
     inflight_area = dict.fromkeys(names, 0.0)
     last_t = 0.0
-    seq = 0
+    end_t = 0.0
 
     def advance(t: float) -> None:
         nonlocal last_t
         for n in names:
-            inflight_area[n] += running[n] * (t - last_t)
+            inflight_area[n] += inflight[n] * (t - last_t)
         last_t = t
 
-    def finish_until(t: float) -> None:
-        while events and events[0][0] <= t:
-            te, _, kind, rep, ri, uncached, rt = heapq.heappop(events)
-            advance(te)
-            pol, load = fleet[rt]
-            if kind == 0:
-                load.prefill_done(rep, uncached)
-                continue
-            running[rep] -= 1
-            running_by[rep][str(rt)] -= 1
-            req = trace[ri]
-            store(rep, req.output_keys)
-            load.release(rep, 0)
-            pol.on_complete(rep, req.output_keys)
+    # Engines count in-flight requests per sending router and report them with every
+    # chunk; events-mode routers take the others' share from there (routing/load.py).
+    running_by: dict[str, dict[str, int]] = {n: defaultdict(int) for n in names}
 
-    for i, req in enumerate(trace):
-        finish_until(req.arrival)
-        advance(req.arrival)
-        rt = i % routers
-        pol, load = fleet[rt]
-        if views:  # engine-reported load, shared by every router
-            for n in names:
-                load.reported(n, running_by[n])
-        route = RouteRequest(req.keys, req.prompt_tokens, req.keys[0] if req.keys else i,
-                             req.session, req.text)
-        d = pol.choose(route, names)
-        rep = d.replica
-        # the engine's real cache decides the hit, not the router's belief
-        matched = cache.match(req.keys).get(rep, 0)
-        cached = min(matched * model.block_size, max(req.prompt_tokens - 1, 0))
-        uncached = req.prompt_tokens - cached
-        # oracle: an infinite block cache shared by everyone
-        ob = 0
-        for k in req.keys:
-            if k not in seen_blocks:
-                break
-            ob += 1
-        oracle_hits += min(ob * model.block_size, max(req.prompt_tokens - 1, 0))
-        seen_blocks.update(req.output_keys)
-        hits += cached
-        prompt_total += req.prompt_tokens
-        per_replica[rep] += 1
-        predicted_uncached = req.prompt_tokens - d.predicted_cached_tokens
-        load.acquire(rep, predicted_uncached)
-        pol.on_dispatch(rep, route)
-        store(rep, req.keys)  # prompt blocks are cached once prefilled
-        start = max(req.arrival, ctx_free_at[rep])
-        ctx_time = uncached * model.prefill_s_per_token + cached * model.ctx_s_per_token
-        first_token = start + ctx_time
-        ctx_free_at[rep] = first_token
-        seq += 1
-        heapq.heappush(events, (first_token, seq, 0, rep, i, predicted_uncached, rt))
-        running[rep] += 1
-        running_by[rep][str(rt)] += 1
-        itl = model.itl_base_s + model.itl_per_seq_s * running[rep]
-        done = first_token + max(req.output_tokens - 1, 0) * itl
-        ttfts.append(first_token - req.arrival)
-        seq += 1
-        heapq.heappush(events, (done, seq, 1, rep, i, 0, rt))
-    finish_until(float("inf"))
-    ttfts.sort()
+    def report_load() -> None:
+        if views and routers > 1:
+            for c in cores:
+                for n in names:
+                    c.reported(n, running_by[n])
 
-    def pct(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else 0.0
+    while events:
+        t, _, kind, payload = heapq.heappop(events)
+        advance(t)
+        if kind == 0:
+            i = payload  # type: ignore[assignment]
+            req = trace[i]
+            rt = i % routers if concurrency is None else req.turn % routers
+            core = cores[rt]
+            report_load()
+            route = RouteRequest(req.keys, req.prompt_tokens,
+                                 req.keys[0] if req.keys else i, req.session, req.text)
+            d = core.choose(route, names)
+            core.dispatched(d, route)
+            ob = 0
+            for k in req.keys:
+                if k not in seen_blocks:
+                    break
+                ob += 1
+            oracle_hits += cached_tokens(req.prompt_tokens, ob, model.block_size)
+            seen_blocks.update(req.output_keys)
+            per_replica[d.replica] += 1
+            inflight[d.replica] += 1
+            running_by[d.replica][str(rt)] += 1
+            eng = engines[d.replica]
+            eng.waiting.append(_Seq(i, req, rt, d, route, t))
+            if not eng.busy:
+                eng.busy = True
+                push(t, 1, eng.name)
+            continue
+        eng = engines[payload]  # type: ignore[index]
+        if not eng.running and not eng.waiting:
+            eng.busy = False
+            continue
+        step_end, first, done = eng.step(t)
+        for s in first:
+            ttfts[s.i] = s.first_token_ts - s.arrived + model.hop_s
+            cores[s.router].first_token(s.decision)  # type: ignore[arg-type]
+            hits += s.cached
+            prompt_total += s.req.prompt_tokens
+        for s in done:
+            core = cores[s.router]
+            itl = ((step_end - s.first_token_ts) / (s.req.output_tokens - 1)
+                   if s.req.output_tokens > 1 else None)
+            timings = {"scheduled_ts": s.scheduled_ts, "first_token_ts": s.first_token_ts,
+                       "itl_s": itl}
+            core.finished(s.decision, s.route, Finished(  # type: ignore[arg-type]
+                s.req.prompt_tokens, s.cached, timings=timings,
+                continuation_keys=s.req.output_keys))
+            core.ended(s.decision)  # type: ignore[arg-type]
+            inflight[eng.name] -= 1
+            running_by[eng.name][str(s.router)] -= 1
+            end_t = max(end_t, step_end + model.hop_s)
+            if concurrency is not None:
+                nxt = next_turn.get(s.i)
+                if nxt is not None:
+                    push(step_end + model.hop_s + think_s, 0, nxt)
+                elif started < len(order):
+                    push(step_end + model.hop_s, 0, convs[order[started]][0])
+                    started += 1
+        push(step_end, 1, eng.name)
 
+    all_t = sorted(ttfts.values())
+    later = sorted(v for i, v in ttfts.items() if trace[i].turn > 0)
     n = len(trace)
     areas = list(inflight_area.values())
     mean_area = sum(areas) / len(areas)
     return SimResult(policy, replicas, routers, n, hits / prompt_total if prompt_total else 0,
-                     oracle_hits / prompt_total if prompt_total else 0, pct(0.5), pct(0.9),
-                     pct(0.99), max(per_replica.values()) / n if n else 0,
-                     max(areas) / mean_area if mean_area else 0,
+                     oracle_hits / prompt_total if prompt_total else 0, _pct(all_t, 0.5),
+                     _pct(all_t, 0.9), _pct(all_t, 0.99), _pct(later, 0.5), _pct(later, 0.9),
+                     max(per_replica.values()) / n if n else 0,
+                     max(areas) / mean_area if mean_area else 0, end_t,
                      time.perf_counter() - t_wall, dict(per_replica))
+
+
+def _forward_stores(truth: PrefixIndex, views: list[EventIndex]) -> None:
+    """Engines' stores reach every events-mode router at once (BlockStored events)."""
+    insert = truth.insert
+
+    def insert_and_publish(replica: str, keys: list[int]) -> None:
+        insert(replica, keys)
+        for v in views:
+            v.stored(replica, keys)
+
+    truth.insert = insert_and_publish  # type: ignore[method-assign]
+
+
+def _pct(xs: list[float], p: float) -> float:
+    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
 
 
 # --- synthetic traces (token-level, no tokenizer needed) ---------------------------------------
@@ -233,9 +373,11 @@ def _text(tokens: list[int]) -> str:
 
 def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system_tokens: int,
                      user_tokens: int, output_tokens: int, rate: float, think_s: float = 5.0,
-                     block_size: int = 32, seed: int = 0) -> list[SimRequest]:
+                     block_size: int = 32, seed: int = 0,
+                     document_tokens: int = 0) -> list[SimRequest]:
     """Sessions start as a Poisson process; each next turn follows after a think time and
-    carries the whole history (prompt + previous outputs)."""
+    carries the whole history (prompt + previous outputs). `document_tokens`: each
+    conversation also carries a document of its own after the shared system prompt."""
     from rayattn.routing.hashing import BlockHasher
 
     rng = random.Random(seed)
@@ -249,14 +391,15 @@ def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system
         t += rng.expovariate(rate / turns)
         hist = list(systems[c % shared_systems])
         hashes = sys_hashes[c % shared_systems]
+        hist += [rng.randrange(1, 50_000) for _ in range(document_tokens)]
         tc = t
-        for _ in range(turns):
+        for turn in range(turns):
             hist += [rng.randrange(1, 50_000) for _ in range(user_tokens)]
             hashes = h.full_hashes(hist, hashes)
             o = [rng.randrange(1, 50_000) for _ in range(output_tokens)]
             after = h.full_hashes(hist + o, hashes)
             reqs.append(SimRequest(tc, _keys(hashes), len(hist), _keys(after), output_tokens,
-                                   f"conv-{c}", _text(hist)))
+                                   f"conv-{c}", _text(hist), turn))
             hist += o
             hashes = after
             tc += think_s + rng.expovariate(1.0)
@@ -265,15 +408,19 @@ def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system
 
 
 def trace_from_run(results, workload, tokenizer, block_size: int) -> list[SimRequest]:
-    """The exact trace of a real-engine run (arrival times, templated prompts, outputs), to
-    validate the simulator against it."""
+    """The exact requests of a real-engine run (templated prompts, outputs, turn order), in
+    the order the run started them: for the closed-loop driver, conversations keep the
+    workload's order, as the bench's driver takes them."""
     from rayattn.bench.driver import replay_tokens
     from rayattn.routing.hashing import BlockHasher
 
     h = BlockHasher(block_size)
+    order = {c.session: k for k, c in enumerate(workload.conversations)}
     out = []
     for r, ids, outs in replay_tokens(results, workload, tokenizer):
         ph = h.full_hashes(ids)
-        out.append(SimRequest(r.start_s, _keys(ph), len(ids), _keys(h.full_hashes(ids + outs, ph)),
-                              max(r.completion_tokens, 1), r.session, _text(ids)))
+        out.append(SimRequest(r.start_s, _keys(ph), len(ids),
+                              _keys(h.full_hashes(ids + outs, ph)),
+                              max(r.completion_tokens, 1), r.session, _text(ids), r.turn))
+    out.sort(key=lambda s: (order.get(s.session, 0), s.turn))
     return out

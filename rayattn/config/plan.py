@@ -15,6 +15,7 @@ from typing import Any
 from rayattn import backends
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
 from rayattn.config.schema import RayAttnConfig
+from rayattn.routing import policies
 
 _ROCM_ACCELERATORS = {"MI300X", "MI325X", "MI355X"}
 _CUDA_ACCELERATORS = {"H100", "H200", "B200"}
@@ -223,7 +224,8 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         kwargs.pop("attention_backend")
         notes.append("MLA on CPU: vLLM picks AMX_MLA (keeps prefix caching) where the CPU has "
                      "AMX, else CPU_MLA (no prefix caching, no extend path)")
-    if not cfg.engine.enable_prefix_caching and cfg.router.policy in ("affinity", "ray_prefix"):
+    if not cfg.engine.enable_prefix_caching and \
+            policies.spec(cfg.router.policy).uses_prefix_cache:
         notes.append("prefix caching is off: the affinity router can only balance load")
 
     bundles, strategy = placement(cfg)

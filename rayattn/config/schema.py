@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, PositiveInt, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PositiveInt,
+    field_validator,
+    model_validator,
+)
+
+from rayattn.routing import policies
 
 # Mirrors vllm.config.cache.CacheDType (checked by tests/unit/test_config.py against the
 # installed vLLM) so that `rayattn check` works on machines without vLLM.
@@ -41,7 +50,6 @@ All2AllBackend = Literal[
 ]
 Platform = Literal["rocm", "cuda", "cpu"]
 AcceleratorType = Literal["MI300X", "MI325X", "MI355X", "H100", "H200", "B200"]
-RouterPolicy = Literal["affinity", "round_robin", "power_of_two", "ray_prefix"]
 
 
 class _Strict(BaseModel):
@@ -189,10 +197,11 @@ class RouterConfig(_Strict):
     speculative_ttl_s: float = Field(30.0, gt=0)
     """`events` index: how long a block the router sent somewhere counts as cached there
     without the engine's event confirming it (covers queueing before prefill)."""
-    policy: RouterPolicy = "affinity"
-    """How the ingress picks an engine replica: `affinity` (predicted-TTFT cost over a token
-    block index), `round_robin`, `power_of_two` (least in-flight of two random), `ray_prefix`
-    (a text prefix tree like Ray Serve LLM's PrefixCacheAffinityRouter, for comparison)."""
+    policy: str = "affinity"
+    """How the ingress picks an engine replica: one of the policies registered in
+    rayattn/routing/policies/ (`affinity`: predicted-TTFT cost over the engines' cached
+    blocks; `round_robin`; `power_of_two`: least in-flight of two random; `ray_prefix`: a
+    text prefix tree like Ray Serve LLM's PrefixCacheAffinityRouter, for comparison)."""
     load_epsilon: float = Field(0.5, ge=0)
     """Bounded-load guard: no replica takes a request while its in-flight count exceeds the
     larger of (1 + ε) × m and m + `load_slack` (m = the mean in-flight, counting this
@@ -256,6 +265,11 @@ class RouterConfig(_Strict):
     """`ray_prefix` policy: minimum matched fraction before affinity is used (Ray's default)."""
     ray_prefix_imbalanced_threshold: int = Field(10, ge=0)
     """`ray_prefix` policy: max-min queue gap beyond which it falls back to power-of-two."""
+
+    @field_validator("policy")
+    @classmethod
+    def _registered(cls, name: str) -> str:
+        return policies.spec(name).name  # ValueError naming the registered ones
 
 
 class EngineAutoscaling(_Strict):
@@ -377,3 +391,15 @@ class RayAttnConfig(_Strict):
                 "(gpu_memory_utilization would reserve a fraction of host RAM)"
             )
         return self
+
+
+def _policy_settings_are_router_fields() -> None:
+    # A policy's spec names the router settings it reads; one that is not a RouterConfig
+    # field would be silently missing from live changes: fail at import instead.
+    for spec in policies.REGISTRY.values():
+        unknown = set(spec.settings) - set(RouterConfig.model_fields)
+        if unknown:
+            raise TypeError(f"policy {spec.name} reads unknown router settings {unknown}")
+
+
+_policy_settings_are_router_fields()

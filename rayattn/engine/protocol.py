@@ -55,4 +55,33 @@ class Reply:
 class Misrouted(RuntimeError):
     """Raised by an engine replica for a call aimed at another replica (it left, or was
     replaced, between the router's choice and the call's delivery): the router routes the
-    request again (routing/pinning.py)."""
+    request again (server/pinning.py)."""
+
+
+@dataclass
+class EngineInfo:
+    """An engine replica's answer to the router's probe: who it is, what its KV cache is
+    like, and its load right now."""
+
+    replica: str
+    """Serve's id of the replica (the name the router routes to)."""
+    rank: int
+    """Its current rank among the deployment's replicas (Serve renumbers 0..n-1)."""
+    pid: int
+    """The replica's process: a new pid under the same name means it was replaced."""
+    backend: str
+    block_size: int
+    """KV block size the engine really uses (the router hashes with it)."""
+    num_gpu_blocks: int
+    """KV cache capacity in blocks (the predicted index is bounded by it)."""
+    max_model_len: int
+    startup_s: float
+    kv_events: str | None
+    """ZMQ endpoint of the engine's KV events (None: it publishes none)."""
+    engine_pids: list[int] = field(default_factory=list)
+    devices: list[str | None] = field(default_factory=list)
+    """GPU UUIDs, one per worker ([] on CPU)."""
+    unfinished: int = 0
+    """Requests vLLM's output processor still holds."""
+    inflight_by_origin: dict[str, int] = field(default_factory=dict)
+    inflight_stamp: tuple[int, int] | None = None

@@ -2,7 +2,7 @@
 
 All engine replicas (rayattn's DP ranks) are one Serve deployment, autoscaled and updated by
 Serve; the router chooses the replica for each call, and every method here takes the chosen
-replica's id first (routing/pinning.py) and refuses a call meant for another. The replica's
+replica's id first (server/pinning.py) and refuses a call meant for another. The replica's
 devices are reserved by the placement group Serve creates from the plan's bundles; vLLM's Ray
 executor (TP×PP > 1) schedules its workers into that same group.
 """
@@ -20,7 +20,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import Misrouted, OpenAIRequest, Reply
+from rayattn.engine.protocol import EngineInfo, Misrouted, OpenAIRequest, Reply
 
 log = logging.getLogger("rayattn.engine")
 
@@ -78,8 +78,7 @@ class EngineReplica:
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
-        self._info = {
-            "rank": self.rank,
+        self._facts = {
             "replica": self.replica_id,
             "pid": os.getpid(),
             "backend": plan.backend.name,
@@ -96,15 +95,15 @@ class EngineReplica:
         self._inflight_seq = 0
         self._openai_layer: Any = None
         self._openai_lock = asyncio.Lock()
-        self._info["engine_pids"] = sorted(reaper.descendants(os.getpid(),
-                                                              exclude={self._reaper.pid}))
-        log.info("engine %s ready: %s", self.replica_id, self._info)
+        self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
+                                                               exclude={self._reaper.pid}))
+        log.info("engine %s ready: %s", self.replica_id, self._facts)
 
     def _pinned(self, target: str | None) -> None:
         if target is not None and target != self.replica_id:
             raise Misrouted(f"call for engine replica {target} reached {self.replica_id}")
 
-    async def info(self, target: str | None) -> dict[str, Any]:
+    async def info(self, target: str | None) -> EngineInfo:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
         self._pinned(target)
         await self.engine.check_health()
@@ -119,9 +118,10 @@ class EngineReplica:
         # Serve renumbers ranks 0..n-1 as replicas come and go: report the current one
         # (the metrics' dp_rank label keeps the rank this replica started with).
         self.rank = _serve_identity()[1]
-        return {**self._info, "rank": self.rank, **(await compat.engine_device_info(self)),
-                "unfinished": self.engine.output_processor.get_num_unfinished_requests(),
-                **self._inflight_report()}
+        devices = await compat.engine_device_info(self)
+        return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
+                          unfinished=self.engine.output_processor.get_num_unfinished_requests(),
+                          **self._inflight_report())
 
     def _inflight_report(self) -> dict[str, Any]:
         """This engine's in-flight requests per sending router, stamped (pid, change

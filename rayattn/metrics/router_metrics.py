@@ -48,6 +48,11 @@ class RouterMetrics:
                                 "Request latency seen by the router", boundaries=LATENCY_BUCKETS,
                                 tag_keys=keys)
 
+    def set_policy(self, policy: str) -> None:
+        """Label what follows with the policy now routing (a live change, a benchmark's
+        switch)."""
+        self.base = {**self.base, "policy": policy}
+
     def decision(self, reason: str, target: str) -> None:
         self.decisions.inc(1, {**self.base, "reason": reason, "target": target})
 

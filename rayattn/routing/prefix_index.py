@@ -49,6 +49,10 @@ class PrefixIndex:
     def capacity(self, replica: str) -> int:
         return self._capacity.get(replica, 0)
 
+    def speculative(self, replica: str) -> int | None:
+        """Blocks counted on `replica` on the router's word alone (None: no such overlay)."""
+        return None
+
     # --- queries -------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> dict[str, int]:
         """Number of leading blocks of `keys` each replica holds (replicas with 0 omitted).
@@ -178,7 +182,7 @@ class EventIndex(PrefixIndex):
             if spec is not None and spec.get(replica) == exp:  # not renewed since
                 self._drop_spec(key, replica)
 
-    def speculative(self, replica: str) -> int:
+    def speculative(self, replica: str) -> int | None:
         return sum(1 for owners in self._spec.values() if replica in owners)
 
     # --- from the engine's events ----------------------------------------------------

@@ -1,12 +1,9 @@
-"""Choosing an engine replica for a request, calling it, and retrying on replica failure.
+"""Admission, and the one retry loop around calls to the engine replicas.
 
-The pieces around it each do one job: `ReplicaSet` (membership, probes, engine-reported load),
-`CacheView` (the index and its KV-event feeds), `LoadTracker`, the policy, `Admission` and
-`RouterMetrics`. This module wires them and holds the one retry loop.
-
-The engine replicas are one Serve deployment (autoscaled, rolled one replica at a time,
-drained when leaving); which replica serves a request is still decided here, and the call is
-pinned to it (routing/pinning.py). See docs/routing.md for the choice and its cost.
+What to route where is the routing core's (rayattn/routing/core.py): this module feeds it
+the transport's facts — which replicas Serve runs and which answer (`ReplicaSet`), their KV
+events (`KVFeeds`), what each call did — and makes the calls, pinned to the replica the core
+chose (server/pinning.py). See docs/routing.md.
 
 Failure semantics: an error the engine raises about the request itself (vLLM's
 validation: ValueError / TypeError) is the client's: one 400 with vLLM's message, never
@@ -21,18 +18,19 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from typing import Any
 
-from rayattn.config.schema import RayAttnConfig
+from rayattn.config.schema import RayAttnConfig, RouterConfig
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.metrics.router_metrics import RouterMetrics
-from rayattn.routing.cache_view import CacheView
-from rayattn.routing.hashing import BlockHasher, to_key
-from rayattn.routing.load import LoadTracker
-from rayattn.routing.pinning import PinnedHandle
-from rayattn.routing.policies import Decision, RouteRequest, make_policy
-from rayattn.routing.replica_set import Replica, ReplicaSet, engine_dead
-from rayattn.server.errors import APIError
+from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
+from rayattn.routing.policies import Decision, RouteRequest
+from rayattn.server.background import detached
+from rayattn.server.errors import APIError, EngineFailure, engine_raised
+from rayattn.server.kv_feeds import KVFeeds
+from rayattn.server.pinning import PinnedHandle
+from rayattn.server.replica_set import Replica, ReplicaSet, engine_dead
 
 log = logging.getLogger("rayattn.router")
 
@@ -69,127 +67,143 @@ class Slot:
 # How long a request waits for an engine replica when some exist but none is up.
 NO_REPLICA_GRACE_S = 10.0
 
-# RouterConfig fields a policy is built from; other settings apply without rebuilding it.
-POLICY_FIELDS = ("policy", "load_epsilon", "load_slack", "min_match_fraction",
-                 "prefill_s_per_token", "extend_s_per_context_token", "decode_s_per_request",
-                 "ray_prefix_match_rate_threshold", "ray_prefix_imbalanced_threshold")
+
+@dataclass
+class EngineStatus:
+    """One engine replica as /health shows it."""
+
+    up: bool
+    pid: int | None
+    rank: int | None
+    inflight: int
+    local: int
+    unfinished: int | None
+    downs: int
+    slow_probes: int
+    kv_blocks: int | None
+    backend: str | None
+    block_size: int | None
+    engine_pids: list[int]
+    devices: list[str | None]
+    cache_view: dict[str, Any]
+
+
+@dataclass
+class RouterSnapshot:
+    """The router's state for /health and /admin: read here, never reached into."""
+
+    replicas_up: list[str]
+    replicas: int
+    joined: int
+    policy: str
+    index: str
+    max_inflight: int
+    counts: dict[str, int]
+    engines: dict[str, EngineStatus] = field(default_factory=dict)
 
 
 class Dispatcher:
     def __init__(self, cfg: RayAttnConfig, block_size: int, engines: Any,
-                 policy: str | None = None, metrics: bool = True) -> None:
+                 metrics: bool = True) -> None:
         self.cfg = cfg
-        # Names this router in the engines' per-origin in-flight counts (routing/load.py).
-        self.load = LoadTracker(origin=uuid.uuid4().hex[:12])
-        self.view = CacheView(cfg.router.index, cfg.router.speculative_ttl_s)
-        self.hasher = BlockHasher(block_size, cfg.engine.prefix_caching_hash_algo,
-                                  cfg.engine.hash_seed)
-        self.policy = make_policy(policy or cfg.router.policy, self.view.index, self.load,
-                                  block_size, cfg.router)
-        self._policy_settings = {k: getattr(cfg.router, k) for k in POLICY_FIELDS}
-        self._policy_settings["policy"] = self.policy.name
-        self.metrics = RouterMetrics(cfg.model.name, self.policy.name) if metrics else None
+        # `origin` names this router in the engines' per-origin in-flight counts.
+        self.core = RoutingCore(cfg.router.model_dump(), block_size,
+                                hash_algo=cfg.engine.prefix_caching_hash_algo,
+                                hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12])
+        self.feeds = KVFeeds(self.core)
+        self.metrics = RouterMetrics(cfg.model.name, self.core.policy.name) if metrics else None
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
-        self.replicas = ReplicaSet(
-            engines, self._joined, self._left,
-            on_info=lambda r: self.load.reported(r.name, r.info.get("inflight_by_origin", {}),
-                                                 r.info.get("inflight_stamp")))
+        self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
-        return self.replicas.live()
+        return self.fleet.live()
 
     async def start(self) -> None:
-        await self.replicas.start()
+        await self.fleet.start()
         if self._metrics_task is None:
-            self._metrics_task = asyncio.get_running_loop().create_task(self._report_loop())
+            self._metrics_task = detached(self._report_loop())
 
     async def _report_loop(self) -> None:
         while True:
-            live = self.live()
             if self.metrics is not None:
-                self.metrics.load(dict(self.load.inflight.items()), live,
-                                  self.load.imbalance(live), len(self.replicas.replicas))
-            await asyncio.sleep(self.replicas.period_s)
+                live = self.live()
+                load = self.core.load
+                self.metrics.load(dict(load.inflight.items()), live, load.imbalance(live),
+                                  len(self.fleet.members))
+            await asyncio.sleep(self.fleet.period_s)
 
     def _joined(self, r: Replica) -> bool:
-        bs = r.info["block_size"]
-        if bs != self.hasher.block_size and not self.live():
-            # The engine is the authority on its block size (vLLM may override the configured
-            # one for a backend): the first engine up sets what the router hashes.
-            log.warning("engine %s reports KV block size %d (configured %d): hashing with %d",
-                        r.name, bs, self.hasher.block_size, bs)
-            self._set_block_size(bs)
-        if bs != self.hasher.block_size:
-            # Hashing with another block size would predict hits that never happen.
-            log.error("engine %s uses KV block size %d but the router hashes %d-token blocks "
-                      "(attention.block_size): not routing to it", r.name, bs,
-                      self.hasher.block_size)
+        assert r.info is not None
+        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks):
             return False
-        self.view.join(r.name, r.info, r.handle)
+        self.feeds.join(r.name, r.info.kv_events, r.handle)
         return True
 
     def _left(self, r: Replica) -> None:
         if self.metrics is not None:
             self.metrics.left(r.name)
-        self.view.leave(r.name)
-        self.policy.forget_replica(r.name)
-        self.load.forget(r.name)
+        self.feeds.leave(r.name)
+        self.core.left(r.name)
 
-    def _set_block_size(self, block_size: int) -> None:
-        self.hasher = BlockHasher(block_size, self.cfg.engine.prefix_caching_hash_algo,
-                                  self.cfg.engine.hash_seed)
-        self.policy = make_policy(self.policy.name, self.view.index, self.load, block_size,
-                                  self.cfg.router)
+    def _probed(self, r: Replica) -> None:
+        assert r.info is not None
+        self.core.reported(r.name, r.info.inflight_by_origin, r.info.inflight_stamp)
 
-    def apply_router_config(self, rc: Any) -> None:
+    def _refeed(self) -> None:
+        """Every live replica's KV feed afresh (a new index, or a cold start): each resyncs
+        from its engine's snapshot."""
+        for name in list(self.feeds.feeds):
+            self.feeds.leave(name)
+        for name in self.live():
+            r = self.fleet.members[name]
+            if r.info is not None:
+                self.feeds.join(name, r.info.kv_events, r.handle)
+
+    def apply_router_config(self, rc: RouterConfig) -> None:
         self.admission.limit = rc.max_inflight
-        index_changed = rc.index != self.view.mode
-        if index_changed:
-            for name in list(self.view.feeds):
-                self.view.leave(name)
-            self.view = CacheView(rc.index, rc.speculative_ttl_s)
-            for name in self.live():
-                r = self.replicas.replicas[name]
-                self.view.join(name, r.info, r.handle)
-        # A policy holds learned state (cost model, session owners, ray_prefix's text tree):
-        # rebuild it only when the policy or one of its own settings changed, or its index.
-        mine = {k: getattr(rc, k) for k in POLICY_FIELDS}
-        if index_changed or mine != self._policy_settings:
-            self.policy = make_policy(rc.policy, self.view.index, self.load,
-                                      self.hasher.block_size, rc)
-            self._policy_settings = mine
-        if self.metrics is not None and self.metrics.base["policy"] != rc.policy:
-            self.metrics = RouterMetrics(self.cfg.model.name, rc.policy)
+        if self.core.reconfigure(rc.model_dump()):
+            self._refeed()
+        if self.metrics is not None:
+            self.metrics.set_policy(self.core.policy.name)
 
     async def reset(self, policy: str | None = None) -> str:
         """Cold-start every engine's prefix cache and the router's view; optionally switch
         policy. Used by benchmarks to compare policies on the same engines in one run."""
-        live = [self.replicas.replicas[n] for n in self.live()]
+        live = [self.fleet.members[n] for n in self.live()]
         await asyncio.gather(*(r.handle.reset_prefix_cache.remote() for r in live))
-        for r in live:
-            self.view.join(r.name, r.info, r.handle)
-        # Cold start means cold everywhere: a fresh policy forgets what it learned (sessions,
-        # ray_prefix's text tree), so runs compared on the same engines start alike.
-        switched = bool(policy) and policy != self.policy.name
-        self.policy = make_policy(policy or self.policy.name, self.view.index, self.load,
-                                  self.hasher.block_size, self.cfg.router)
-        self._policy_settings["policy"] = self.policy.name
-        if switched and self.metrics is not None:
-            self.metrics = RouterMetrics(self.cfg.model.name, self.policy.name)
-        return self.policy.name
+        name = self.core.reset(policy)
+        self._refeed()
+        if self.metrics is not None:
+            self.metrics.set_policy(name)
+        return name
+
+    def snapshot(self) -> RouterSnapshot:
+        core: CoreSnapshot = self.core.snapshot()
+        engines = {}
+        for n, r in self.fleet.members.items():
+            info, view = r.info, core.members.get(n)
+            cache_view: dict[str, Any] = {"blocks": view.blocks if view else 0,
+                                          **self.feeds.stats(n)}
+            if view is not None and view.speculative_blocks is not None:
+                cache_view["speculative"] = view.speculative_blocks
+            engines[n] = EngineStatus(
+                r.up, info.pid if info else None, info.rank if info else None,
+                self.core.load.inflight[n], self.core.load.local.get(n, 0),
+                info.unfinished if info else None, r.downs, r.slow_probes,
+                info.num_gpu_blocks if info else None, info.backend if info else None,
+                info.block_size if info else None, info.engine_pids if info else [],
+                info.devices if info else [], cache_view)
+        return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
+                              core.policy, core.index, self.admission.limit,
+                              {**self.counts, "admitted_now": self.admission.inflight,
+                               "admitted_peak": self.admission.peak}, engines)
 
     # --- routing ------------------------------------------------------------------------
-    def route_request(self, token_ids: list[int], session: str | None, text: str) -> RouteRequest:
-        hashes = self.hasher.full_hashes(token_ids)
-        keys = [to_key(h) for h in hashes]
-        head = keys[0] if keys else hash(tuple(token_ids[: self.hasher.block_size]))
-        return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids)
-
     def _reject(self, status: int) -> None:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
@@ -219,8 +233,7 @@ class Dispatcher:
         try:
             for attempt in range(1 + self.cfg.router.max_retries):
                 candidates = await self._candidates(tried, wait_until)
-                d = self.policy.choose(route, candidates)
-                d.loads = {r: self.load.inflight[r] for r in candidates}
+                d = self.core.choose(route, candidates)
                 tried.add(d.replica)
                 if req.log:
                     log.info("request %s -> %s (%s; prompt %d tokens, %d predicted cached; "
@@ -240,8 +253,12 @@ class Dispatcher:
                 except EngineCallError as err:
                     e = err.cause
                     if not engine_dead(e):
-                        raise _request_error(e) from e
-                    self.replicas.dead(d.replica, e)
+                        answer = engine_raised(e)
+                        if answer.status >= 500:
+                            log.error("engine error (not retried): %s: %s", type(e).__name__,
+                                      str(e)[:500])
+                        raise answer from e
+                    self.fleet.dead(d.replica, e)
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
                     if delivered or attempt == self.cfg.router.max_retries:
@@ -265,7 +282,7 @@ class Dispatcher:
         cap = self.cfg.serve.max_ongoing_requests
         while True:
             live = self.live()
-            if not live and self.replicas.replicas and time.monotonic() < wait_until:
+            if not live and self.fleet.members and time.monotonic() < wait_until:
                 # Replicas exist but none is up this instant (a retry right after the last
                 # one was marked down, a probe that missed under load): wait a moment.
                 await asyncio.sleep(0.1)
@@ -274,7 +291,7 @@ class Dispatcher:
                 self._reject(503)
                 raise APIError(503, "no engine replica is ready", retry_after=5)
             fresh = [r for r in live if r not in tried] or live
-            open_ = [r for r in fresh if self.load.local[r] < cap]
+            open_ = [r for r in fresh if self.core.load.local.get(r, 0) < cap]
             if open_:
                 return open_
             await asyncio.sleep(0.005)
@@ -284,14 +301,10 @@ class Dispatcher:
         """Stream one attempt from one replica. Errors the call itself raises come out as
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
-        uncached = route.prompt_tokens - d.predicted_cached_tokens
-        self.load.acquire(replica, uncached)
-        req.origin = self.load.origin
-        prefill_pending = True
+        req.origin = self.core.load.origin
+        self.core.dispatched(d, route)
         gen = None
         try:
-            self.policy.on_dispatch(replica, route)
-            d.dispatched_at = time.perf_counter()
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:
@@ -303,25 +316,27 @@ class Dispatcher:
                     break
                 except Exception as e:
                     raise EngineCallError(e) from e
-                if prefill_pending:
-                    self.load.prefill_done(replica, uncached)
-                    prefill_pending = False
-                if chunk.inflight_by_origin is not None and self.replicas.is_up(replica):
-                    self.load.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
-                # Learn only from a request that ran (not an error answer) on a replica
-                # still in the set: one that left must not re-enter the index.
-                if chunk.final and chunk.timings and self.replicas.is_up(replica):
+                self.core.first_token(d)
+                if chunk.inflight_by_origin is not None:
+                    self.core.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
+                # Learn only from a request that ran (not an error answer).
+                if chunk.final and chunk.timings:
                     try:
-                        self._learn(d, route, chunk)
+                        self.core.finished(d, route, Finished(
+                            chunk.prompt_tokens, chunk.num_cached_tokens, chunk.token_ids,
+                            chunk.timings))
                     except Exception:  # learning must never fail a served request
                         log.exception("learning from request %s failed", req.request_id)
+                    if self.metrics is not None:
+                        self.metrics.outcome(d.predicted_cached_tokens, chunk.num_cached_tokens,
+                                             chunk.prompt_tokens, chunk.timings.get("e2e_s", 0.0))
                 yield chunk
         finally:
             # Runs on success, failure and cancellation alike: the engine request is
             # cancelled (aborted in vLLM) and the replica's load released.
             if gen is not None:
                 gen.cancel()
-            self.load.release(replica, uncached if prefill_pending else 0)
+            self.core.ended(d)
 
     def _stream_handle(self, replica: str) -> PinnedHandle:
         """The engine deployment's streaming handle, aimed at `replica`; built once per
@@ -338,35 +353,6 @@ class Dispatcher:
             self._streaming = (transport, handle)
         return PinnedHandle(self._streaming[1], replica)
 
-    def _learn(self, d: Decision, route: RouteRequest, last: Reply) -> None:
-        # Multi-turn: the engine now caches the prompt and every generated token but the
-        # last (whose KV was never computed); index those so the next turn finds its whole
-        # history (with KV events, until the events confirm it). Only the blocks after the
-        # prompt's are new: reuse its hashes.
-        full = self.hasher.full_hashes(route.token_ids + last.token_ids[:-1],
-                                       route.block_hashes)
-        self.policy.on_complete(d.replica, route.keys + [to_key(h) for h in
-                                                         full[len(route.block_hashes):]])
-        t = last.timings
-        self.policy.observe(d.replica, last.prompt_tokens - last.num_cached_tokens, t,
-                            self.load.inflight[d.replica])
-        if self.metrics is not None:
-            self.metrics.outcome(d.predicted_cached_tokens, last.num_cached_tokens,
-                                 last.prompt_tokens, t.get("e2e_s", 0.0))
-
-
-def _request_error(e: BaseException) -> APIError:
-    """An engine-side exception about the request itself → the client's 4xx."""
-    from rayattn.compat import client_error_types
-
-    # Ray's RayTaskError carries the engine's own exception as `cause`.
-    cause = getattr(e, "cause", None) or e
-    if isinstance(cause, client_error_types()):
-        return APIError(400, f"engine rejected the request: {str(cause)[:500]}",
-                        param=getattr(cause, "parameter", None))
-    log.error("engine error (not retried): %s: %s", type(e).__name__, str(e)[:500])
-    return APIError(500, f"engine error: {type(e).__name__}")
-
 
 class EngineCallError(Exception):
     """An exception raised by the call to an engine replica (not by the router's code)."""
@@ -374,9 +360,3 @@ class EngineCallError(Exception):
     def __init__(self, cause: BaseException) -> None:
         super().__init__(str(cause))
         self.cause = cause
-
-
-class EngineFailure(Exception):
-    def __init__(self, replica: str, cause: BaseException, started: bool) -> None:
-        super().__init__(f"engine {replica} failed: {type(cause).__name__}: {cause}")
-        self.replica, self.cause, self.started = replica, cause, started

@@ -58,3 +58,39 @@ def client_error(e: BaseException, param: str | None = None) -> APIError:
     as a 400 with vLLM's message and the parameter it names."""
     return APIError(400, str(e)[:1000] or type(e).__name__,
                     param=getattr(e, "parameter", None) or param)
+
+
+class EngineFailure(Exception):
+    """A replica failed (its actor or engine died) while serving a request, and no retry
+    was left or output had already reached the client."""
+
+    def __init__(self, replica: str, cause: BaseException, started: bool) -> None:
+        super().__init__(f"engine {replica} failed: {type(cause).__name__}: {cause}")
+        self.replica, self.cause, self.started = replica, cause, started
+
+
+def failed_request(e: BaseException | None, timeout_s: float) -> APIError:
+    """The one mapping from how a request to the engines ended without an answer to the
+    client's error: a failed replica 503, the router's deadline 504, an engine that ended
+    the request without output 503 (`e` None or StopAsyncIteration). Other APIErrors
+    (no replica, admission) pass through."""
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, EngineFailure):
+        return APIError(503, f"engine failure: {e}", retry_after=2)
+    if isinstance(e, TimeoutError):
+        return APIError(504, f"request exceeded {timeout_s}s")
+    return APIError(503, "the engine ended the request without output", retry_after=2)
+
+
+def engine_raised(e: BaseException) -> APIError:
+    """An exception an engine raised about the request itself (not a dead replica): vLLM's
+    validation is the client's 400; anything else a 500 naming only its type."""
+    from rayattn.compat import client_error_types
+
+    # Ray's RayTaskError carries the engine's own exception as `cause`.
+    cause = getattr(e, "cause", None) or e
+    if isinstance(cause, client_error_types()):
+        return APIError(400, f"engine rejected the request: {str(cause)[:500]}",
+                        param=getattr(cause, "parameter", None))
+    return APIError(500, f"engine error: {type(e).__name__}")

@@ -10,6 +10,7 @@ import os
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import Any
 
 from fastapi import Request
@@ -21,8 +22,15 @@ from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
-from rayattn.server.dispatch import Dispatcher, EngineFailure, Slot
-from rayattn.server.errors import APIError, client_error, error_response, from_validation
+from rayattn.server.dispatch import Dispatcher, Slot
+from rayattn.server.errors import (
+    APIError,
+    EngineFailure,
+    client_error,
+    error_response,
+    failed_request,
+    from_validation,
+)
 from rayattn.server.rendering import Rendered, Renderer
 
 log = logging.getLogger("rayattn.ingress")
@@ -30,8 +38,7 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
-    def __init__(self, args: dict[str, Any], engines: Any,
-                 policy: str | None = None) -> None:
+    def __init__(self, args: dict[str, Any], engines: Any) -> None:
         from rayattn import logs
 
         logs.setup()
@@ -42,7 +49,7 @@ class Ingress:
         self._renderer_task: asyncio.Task[Renderer] | None = None
         self._rendering: Renderer | None = None  # the built one, once the task is done
         self._models: dict[str, Any] | None = None
-        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines, policy)
+        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines)
         self.keys = Keys.from_env(self.cfg.router)
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
@@ -162,7 +169,7 @@ class Ingress:
         stream = bool(body.stream)
         oreq = OpenAIRequest(kind, data, rid, self.cfg.router.stream_interval_ms / 1e3,
                              log=self.cfg.router.log_requests)
-        route = self.dispatcher.route_request(
+        route = self.dispatcher.core.request(
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
@@ -176,7 +183,8 @@ class Ingress:
             except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
                 slot.release()
                 await items.aclose()
-                return _early_error(e, self.cfg.router.request_timeout_s).response()
+                return failed_request(None if isinstance(e, StopAsyncIteration) else e,
+                                      self.cfg.router.request_timeout_s).response()
             except BaseException:
                 await items.aclose()
                 raise
@@ -199,18 +207,12 @@ class Ingress:
                 async for item, d in self.dispatcher.generate(req, route, buffered=True):
                     if item.final:
                         last, decision = item, d
-        except APIError as e:
-            return e.response()
-        except EngineFailure as e:
-            return APIError(503, f"engine failure: {e}", retry_after=2).response()
-        except TimeoutError:
-            return APIError(504, f"request exceeded {self.cfg.router.request_timeout_s}s")\
-                .response()
+        except (APIError, EngineFailure, TimeoutError) as e:
+            return failed_request(e, self.cfg.router.request_timeout_s).response()
         finally:
             slot.release()
         if last is None or decision is None:
-            return APIError(503, "the engine ended the request without output",
-                            retry_after=2).response()
+            return failed_request(None, self.cfg.router.request_timeout_s).response()
         if last.status != 200:
             return _passthrough(last, decision)
         # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
@@ -233,17 +235,9 @@ class Ingress:
                     if item.data:
                         yield item.data
                     item, decision = await anext(items)
-        except StopAsyncIteration:
-            yield _event(APIError(503, "the engine ended the stream early").body())
-            yield "data: [DONE]\n\n"
-        except APIError as e:
-            yield _event(e.body())
-            yield "data: [DONE]\n\n"
-        except EngineFailure as e:
-            yield _event(APIError(503, f"engine failure mid-stream: {e}").body())
-            yield "data: [DONE]\n\n"
-        except TimeoutError:
-            yield _event(APIError(504, "request timed out").body())
+        except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
+            err = None if isinstance(e, StopAsyncIteration) else e
+            yield _event(failed_request(err, self.cfg.router.request_timeout_s).body())
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
@@ -264,8 +258,9 @@ class Ingress:
             if not isinstance(data, dict):
                 raise APIError(400, "request body must be a JSON object")
             # Validate everything before changing anything; unnamed settings stay as they are.
-            current = {**self.cfg.router.model_dump(), "policy": d.policy.name,
-                       "index": d.view.mode}
+            now = d.snapshot()
+            current = {**self.cfg.router.model_dump(), "policy": now.policy,
+                       "index": now.index}
             want = RouterConfig.model_validate(
                 {**current, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
             if want.index != current["index"]:
@@ -278,8 +273,9 @@ class Ingress:
             return from_validation(e).response()
         except ValueError as e:
             return APIError(400, str(e)).response()
-        return JSONResponse({"policy": policy, "index": self.dispatcher.view.mode,
-                             "replicas_up": self.dispatcher.live()})
+        after = self.dispatcher.snapshot()
+        return JSONResponse({"policy": policy, "index": after.index,
+                             "replicas_up": after.replicas_up})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -292,40 +288,25 @@ class Ingress:
             return self._not_ready().response()
         if self._models is None:
             # vLLM's own list (names, max_model_len, permissions), the same on every engine.
-            handle = self.dispatcher.replicas.replicas[live[0]].handle
+            handle = self.dispatcher.fleet.members[live[0]].handle
             self._models = await handle.models.remote()
         return JSONResponse(self._models)
 
     def _not_ready(self) -> APIError:
-        n = len(self.dispatcher.replicas.replicas)
+        n = len(self.dispatcher.fleet.members)
         return APIError(503, f"not ready: 0 of {n} engine replicas serve yet (engines load "
                              "the model at start-up; retry shortly)", retry_after=5)
 
     async def health(self) -> Response:
         await self._start()
-        live = self.dispatcher.live()
-        d = self.dispatcher
+        snap = self.dispatcher.snapshot()
+        live = snap.replicas_up
         body = {"status": "ok" if live else "unavailable", "replicas_up": live,
                 "reason": None if live else self._not_ready().message,
-                "replicas": len(d.replicas.replicas), "joined": d.replicas.joined,
-                "policy": d.policy.name,
-                "router_pid": os.getpid(),
-                "limits": {"max_inflight": d.admission.limit},
-                "index": d.view.mode,
-                "counts": {**d.counts, "admitted_now": d.admission.inflight,
-                           "admitted_peak": d.admission.peak},
-                "engines": {n: {"up": r.up, "pid": r.info.get("pid"),
-                                "rank": r.info.get("rank"),
-                                "inflight": d.load.inflight[n], "local": d.load.local[n],
-                                "unfinished": r.info.get("unfinished"),
-                                "downs": r.downs, "slow_probes": r.slow_probes,
-                                "kv_blocks": r.info.get("num_gpu_blocks"),
-                                "backend": r.info.get("backend"),
-                                "block_size": r.info.get("block_size"),
-                                "engine_pids": r.info.get("engine_pids", []),
-                                "devices": r.info.get("devices", []),
-                                "cache_view": d.view.stats(n)}
-                            for n, r in d.replicas.replicas.items()}}
+                "replicas": snap.replicas, "joined": snap.joined, "policy": snap.policy,
+                "router_pid": os.getpid(), "limits": {"max_inflight": snap.max_inflight},
+                "index": snap.index, "counts": snap.counts,
+                "engines": {n: asdict(e) for n, e in snap.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
         return JSONResponse(body)
@@ -344,17 +325,6 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._slot.release()
-
-
-def _early_error(e: BaseException, timeout_s: float) -> APIError:
-    """What a stream that failed before its first chunk answers with."""
-    if isinstance(e, APIError):
-        return e
-    if isinstance(e, EngineFailure):
-        return APIError(503, f"engine failure: {e}", retry_after=2)
-    if isinstance(e, TimeoutError):
-        return APIError(504, f"request exceeded {timeout_s}s")
-    return APIError(503, "the engine ended the request without output", retry_after=2)
 
 
 def request_id(request: Request) -> str:

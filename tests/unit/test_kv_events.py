@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 
+from rayattn.config.schema import RouterConfig
 from rayattn.engine.kv_mirror import KVMirror
-from rayattn.routing.cache_view import _ReplicaSink
-from rayattn.routing.kv_events import EventFeed
+from rayattn.routing.core import RoutingCore
 from rayattn.routing.prefix_index import EventIndex
+from rayattn.server.kv_feeds import KVFeeds
 
 
 def _port() -> int:
@@ -65,15 +67,19 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
     assert mirror.snapshot().keys == [11, 12, 13]
 
     async def scenario() -> None:
-        index = EventIndex()
-        index.add_replica("e0")
+        # The router's own wiring: a routing core that follows events, its feeds.
+        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+        assert core.joined("e0", 16, 100)
+        index = core.index
+        assert isinstance(index, EventIndex)
 
         async def snapshot():
             return mirror.snapshot()
 
-        feed = EventFeed(f"tcp://127.0.0.1:{pub_port}", _ReplicaSink(index, "e0"), snapshot,
-                         lambda keys: index.reset("e0", keys), "e0")
-        feed.start()
+        feeds = KVFeeds(core)
+        feeds.join("e0", f"tcp://127.0.0.1:{pub_port}",
+                   SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot)))
+        feed = feeds.feeds["e0"]
         # A router that starts late learns what was stored before it from the snapshot.
         await _until(lambda: index.match([11, 12, 13]) == {"e0": 3})
 

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rayattn.config.schema import RouterConfig
+from rayattn.routing import policies
 from rayattn.routing.load import LoadTracker
-from rayattn.routing.policies import RouteRequest, make_policy, rendezvous_rank
+from rayattn.routing.policies import PolicyContext, RouteRequest, rendezvous_rank
 from rayattn.routing.prefix_index import PrefixIndex
 
 BS = 16
@@ -22,8 +23,8 @@ def fleet(n: int, policy: str = "affinity", eps: float = 0.5, cap: int = 10_000,
     names = [f"r{i}" for i in range(n)]
     for r in names:
         idx.add_replica(r, cap)
-    pol = make_policy(policy, idx, load, BS, RouterConfig(load_epsilon=eps, load_slack=slack),
-                      seed=0)
+    pol = policies.build(policy, PolicyContext(idx, load, BS, seed=0),
+                         RouterConfig(load_epsilon=eps, load_slack=slack).model_dump())
     return pol, idx, load, names
 
 

@@ -1,6 +1,6 @@
 """Which engine replicas exist and which are up.
 
-Which exist comes from Serve (routing/pinning.py: the engine deployment's replicas as its
+Which exist comes from Serve (server/pinning.py: the engine deployment's replicas as its
 request router hears of them, so a replica that starts under autoscaling or a rolling update
 joins, and one that is leaving drops out before it drains). Which are up comes from the
 engines themselves: a replica is out only when Ray says its actor is dead or its engine
@@ -20,13 +20,14 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ray import exceptions as ray_exc
 
-from rayattn.engine.protocol import Misrouted
-from rayattn.routing.pinning import Membership, PinnedHandle
+from rayattn.engine.protocol import EngineInfo, Misrouted
+from rayattn.server.background import detached
+from rayattn.server.pinning import Membership, PinnedHandle
 
 log = logging.getLogger("rayattn.router")
 
@@ -67,7 +68,8 @@ class Replica:
     handle: Any
     up: bool = False
     pid: int | None = None
-    info: dict[str, Any] = field(default_factory=dict)
+    info: EngineInfo | None = None
+    """The last probe reply (None until the first one)."""
     downs: int = 0
     """Times this replica was taken out (dead actor or engine, or replaced)."""
     slow_probes: int = 0
@@ -81,7 +83,7 @@ class ReplicaSet:
                  on_info: Callable[[Replica], None] = lambda r: None, period_s: float = 0.5,
                  timeout_s: float = 10.0) -> None:
         self._engines = engines  # the engine deployment's handle
-        self.replicas: dict[str, Replica] = {}
+        self.members: dict[str, Replica] = {}
         self._on_up, self._on_down, self._on_info = on_up, on_down, on_info
         self.period_s, self.timeout_s = period_s, timeout_s
         self._task: asyncio.Task | None = None
@@ -93,10 +95,10 @@ class ReplicaSet:
         """Replicas that ever joined (Serve started them: scale-up, update, replacement)."""
 
     def live(self) -> list[str]:
-        return [n for n, r in self.replicas.items() if r.up]
+        return [n for n, r in self.members.items() if r.up]
 
     def is_up(self, name: str) -> bool:
-        r = self.replicas.get(name)
+        r = self.members.get(name)
         return r is not None and r.up
 
     async def start(self) -> None:
@@ -104,32 +106,32 @@ class ReplicaSet:
         once); return when the first round is done."""
         if self._task is None:
             Membership.subscribe(self._engines.app_name, self._engines.deployment_name,
-                                 self._members)
+                                 self._membership)
             # The handle's Serve router (and with it the request router that publishes the
             # members) starts with the handle's first use.
             self._engines.options()
             self._task = detached(self._loop())
         await self._ready.wait()
 
-    def _members(self, names: list[str]) -> None:
+    def _membership(self, names: list[str]) -> None:
         """Serve's current replicas of the engine deployment: new ones are probed at once,
         leaving ones are out at once (Serve no longer sends them new calls; their running
         requests finish there)."""
-        for name in [n for n in self.replicas if n not in names]:
-            r = self.replicas.pop(name)
+        for name in [n for n in self.members if n not in names]:
+            r = self.members.pop(name)
             log.info("engine %s left the deployment (scale-down or update)", name)
             if r.up:  # a departure, not a failure: not counted in `downs`
                 r.up = False
                 self._on_down(r)
-        fresh = [n for n in names if n not in self.replicas]
+        fresh = [n for n in names if n not in self.members]
         for name in fresh:
-            self.replicas[name] = Replica(name, PinnedHandle(self._engines, name))
+            self.members[name] = Replica(name, PinnedHandle(self._engines, name))
             self.joined += 1
         self._known.set()
         if fresh and self._task is not None:
             # Only the new ones, outside the round's lock: a round can wait 10 s on a busy
             # engine, and a new replica should take traffic as soon as it answers.
-            detached(self._probe_all([self.replicas[n] for n in fresh]))
+            detached(self._probe_all([self.members[n] for n in fresh]))
 
     async def _loop(self) -> None:
         try:
@@ -148,7 +150,7 @@ class ReplicaSet:
             # is starting). A router that starts next to serving engines (a rolling update)
             # takes traffic only after it reached one of them: a busy engine may miss the
             # first probe.
-            if self.live() or not self.replicas or \
+            if self.live() or not self.members or \
                     time.monotonic() - started > READY_WAIT_S:
                 self._ready.set()
             await asyncio.sleep(self.period_s)
@@ -158,12 +160,12 @@ class ReplicaSet:
 
     async def refresh(self) -> None:
         async with self._lock:
-            await asyncio.gather(*(self._probe(r) for r in list(self.replicas.values())))
+            await asyncio.gather(*(self._probe(r) for r in list(self.members.values())))
 
     async def _probe(self, r: Replica) -> None:
         try:
             info = await asyncio.wait_for(r.handle.info.remote(), timeout=self.timeout_s)
-            if self.replicas.get(r.name) is not r:
+            if self.members.get(r.name) is not r:
                 return  # it left while the probe ran
         except TimeoutError:
             r.slow_probes += 1
@@ -178,11 +180,11 @@ class ReplicaSet:
                 log.warning("engine %s probe error kept it in: %s", r.name, type(e).__name__)
             return
         r.last_seen = time.monotonic()
-        if r.pid is not None and info["pid"] != r.pid:
-            self.mark_down(r, f"replaced (pid {r.pid} -> {info['pid']})")
+        if r.pid is not None and info.pid != r.pid:
+            self.mark_down(r, f"replaced (pid {r.pid} -> {info.pid})")
         r.info = info
         if not r.up:
-            r.pid = info["pid"]
+            r.pid = info.pid
             # The router may refuse a replica it cannot route to correctly (block size).
             r.up = self._on_up(r)
             if r.up:
@@ -201,18 +203,10 @@ class ReplicaSet:
     def dead(self, name: str, cause: BaseException) -> None:
         """A call to `name` failed with a replica-dead error: out now, probe soon (one
         extra round, however many calls failed)."""
-        r = self.replicas.get(name)
+        r = self.members.get(name)
         if r is None:
             return  # it already left the deployment
         self.mark_down(r, type(cause).__name__)
         if self._recheck is None or self._recheck.done():
             self._recheck = detached(self.refresh())
 
-
-def detached(coro: Any) -> asyncio.Task:
-    """A background task that does not inherit the current request's context: Serve keys
-    child calls by the request id it finds there, and calls from a task started inside a
-    request handler would all share that request's id."""
-    import contextvars
-
-    return asyncio.get_running_loop().create_task(coro, context=contextvars.Context())

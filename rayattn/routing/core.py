@@ -1,0 +1,224 @@
+"""The routing core: everything the router knows and decides, with no transport in it.
+
+It owns the block hasher, the cache index, the load view and the policy, and walks every
+request through one lifecycle:
+
+    request()  →  choose()  →  dispatched()  →  first_token()  →  finished()  →  ended()
+
+plus membership (`joined` / `left`, engine load reports), live settings (`reconfigure`),
+a cold start (`reset`) and a typed `snapshot`. The ingress (rayattn/server/dispatch.py) calls
+it around real engine calls; the simulator (rayattn/bench/simulate.py) calls it around
+modelled ones, so what the simulator predicts is what the shipped router does. Nothing here
+awaits, starts a task or talks to Ray, Serve or ZMQ: feeds of KV events write into `index`
+from the server side, and membership comes from there too.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from rayattn.routing import policies
+from rayattn.routing.hashing import BlockHasher, to_key
+from rayattn.routing.load import LoadTracker
+from rayattn.routing.policies import Decision, Policy, PolicyContext, RouteRequest
+from rayattn.routing.prefix_index import EventIndex, PrefixIndex
+
+log = logging.getLogger("rayattn.router")
+
+INDEX_MODES = ("events", "predicted")
+
+
+@dataclass
+class Finished:
+    """What the engine said of a request that ran to its end."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    output_ids: list[int] = field(default_factory=list)
+    """Generated ids (the first choice's): the engine now caches the prompt and all of them
+    but the last, whose KV was never computed."""
+    timings: dict[str, Any] = field(default_factory=dict)
+    """The engine's timings (scheduled_ts / first_token_ts on its own clock, itl_s, …)."""
+    continuation_keys: list[int] | None = None
+    """Block keys of prompt + output when the caller already has them (simulated traces
+    carry keys, not ids); else they are hashed from `output_ids`."""
+
+
+@dataclass
+class ReplicaView:
+    """The core's picture of one member, for /health and the simulator's reports."""
+
+    inflight: int
+    local: int
+    pending_prefill_tokens: int
+    blocks: int
+    speculative_blocks: int | None
+
+
+@dataclass
+class CoreSnapshot:
+    policy: str
+    index: str
+    block_size: int
+    members: dict[str, ReplicaView]
+
+
+class RoutingCore:
+    def __init__(self, settings: Mapping[str, Any], block_size: int, *,
+                 hash_algo: str = "sha256", hash_seed: str = "0", origin: str = "",
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        """`settings`: the router settings (RouterConfig's fields, as a mapping); `origin`:
+        this router's name in the engines' per-origin load reports; `seed`: for randomised
+        policies (the simulator repeats runs)."""
+        self.settings = dict(settings)
+        self._hash = (hash_algo, hash_seed)
+        self._seed, self._clock = seed, clock
+        self.load = LoadTracker(origin)
+        self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
+        self.members: dict[str, int] = {}
+        """Replicas routed to, with their KV capacity in blocks."""
+        self.index = self._new_index()
+        self.policy = self._new_policy(self.settings["policy"])
+
+    @property
+    def block_size(self) -> int:
+        return self.hasher.block_size
+
+    @property
+    def index_mode(self) -> str:
+        return self.settings["index"]
+
+    def _new_index(self) -> PrefixIndex:
+        mode = self.settings["index"]
+        if mode not in INDEX_MODES:
+            raise ValueError(f"router.index: {mode!r} is not one of {INDEX_MODES}")
+        index: PrefixIndex = (EventIndex(self.settings["speculative_ttl_s"], self._clock)
+                              if mode == "events" else PrefixIndex())
+        for name, capacity in self.members.items():
+            index.add_replica(name, capacity)
+        return index
+
+    def _new_policy(self, name: str) -> Policy:
+        ctx = PolicyContext(self.index, self.load, self.block_size, self._seed)
+        return policies.build(name, ctx, self.settings)
+
+    # --- membership ---------------------------------------------------------------------
+    def joined(self, name: str, block_size: int, capacity_blocks: int) -> bool:
+        """An engine replica is up. False when the router cannot route to it correctly."""
+        if block_size != self.block_size and not self.members:
+            # The engine is the authority on its block size (vLLM may override the configured
+            # one for a backend): the first engine up sets what the router hashes.
+            log.warning("engine %s reports KV block size %d (configured %d): hashing with %d",
+                        name, block_size, self.block_size, block_size)
+            self.hasher = BlockHasher(block_size, *self._hash)
+            self.policy = self._new_policy(self.policy.name)
+        if block_size != self.block_size:
+            # Hashing with another block size would predict hits that never happen.
+            log.error("engine %s uses KV block size %d but the router hashes %d-token blocks "
+                      "(attention.block_size): not routing to it", name, block_size,
+                      self.block_size)
+            return False
+        self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
+        self.index.add_replica(name, capacity_blocks)
+        self.members[name] = capacity_blocks
+        return True
+
+    def left(self, name: str) -> None:
+        """A replica is gone (down, drained, replaced): nothing learned of it stays."""
+        self.members.pop(name, None)
+        self.index.remove_replica(name)
+        self.policy.forget_replica(name)
+        self.load.forget(name)
+
+    def reported(self, name: str, by_origin: Mapping[str, int],
+                 stamp: tuple[int, int] | None = None) -> None:
+        """An engine's in-flight requests per sending router (probe reply or chunk)."""
+        if name in self.members:
+            self.load.reported(name, by_origin, stamp)
+
+    # --- one request --------------------------------------------------------------------
+    def request(self, token_ids: list[int], session: str | None = None,
+                text: str = "") -> RouteRequest:
+        hashes = self.hasher.full_hashes(token_ids)
+        keys = [to_key(h) for h in hashes]
+        head = keys[0] if keys else hash(tuple(token_ids[: self.block_size]))
+        return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids)
+
+    def choose(self, route: RouteRequest, candidates: list[str]) -> Decision:
+        d = self.policy.choose(route, candidates)
+        d.loads = {r: self.load.inflight[r] for r in candidates}
+        return d
+
+    def dispatched(self, d: Decision, route: RouteRequest) -> None:
+        """The call to `d.replica` is being issued; `ended(d)` must follow, however it
+        ends."""
+        d.uncached_tokens = route.prompt_tokens - d.predicted_cached_tokens
+        d.prefill_pending = True
+        self.load.acquire(d.replica, d.uncached_tokens)
+        self.policy.on_dispatch(d.replica, route)
+        d.dispatched_at = time.perf_counter()
+
+    def first_token(self, d: Decision) -> None:
+        """The replica answered: this request's prefill no longer waits there."""
+        if d.prefill_pending:
+            self.load.prefill_done(d.replica, d.uncached_tokens)
+            d.prefill_pending = False
+
+    def finished(self, d: Decision, route: RouteRequest, done: Finished) -> None:
+        """The request ran to its end on `d.replica`: learn where its blocks are and how
+        fast the engine was. A replica that left meanwhile must not re-enter the index."""
+        if d.replica not in self.members:
+            return
+        keys = done.continuation_keys
+        if keys is None:
+            full = self.hasher.full_hashes(route.token_ids + done.output_ids[:-1],
+                                           route.block_hashes)
+            keys = route.keys + [to_key(h) for h in full[len(route.block_hashes):]]
+        self.policy.on_complete(d.replica, keys)
+        self.policy.observe(d.replica, done.prompt_tokens - done.cached_tokens, done.timings,
+                            self.load.inflight[d.replica])
+
+    def ended(self, d: Decision) -> None:
+        """The attempt is over (finished, failed or cancelled): its load is released."""
+        self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
+        d.prefill_pending = False
+
+    # --- settings -----------------------------------------------------------------------
+    def reconfigure(self, settings: Mapping[str, Any]) -> bool:
+        """New router settings. The policy is rebuilt (forgetting what it learned) only when
+        its name, one of the settings its spec reads, or the index mode changed. Returns
+        whether the index was replaced (the caller re-attaches its event feeds)."""
+        old, new = self.settings, dict(settings)
+        self.settings = new
+        index_changed = (old["index"], old["speculative_ttl_s"]) != \
+            (new["index"], new["speculative_ttl_s"])
+        if index_changed:
+            self.index = self._new_index()
+        reads = policies.spec(new["policy"]).settings
+        if index_changed or old["policy"] != new["policy"] or \
+                any(old[k] != new[k] for k in reads):
+            self.policy = self._new_policy(new["policy"])
+        return index_changed
+
+    def reset(self, policy: str | None = None) -> str:
+        """Cold start, after the engines emptied their caches: every member's view empty,
+        a fresh policy (optionally another one), so runs compared on the same engines start
+        alike."""
+        if policy:
+            self.settings["policy"] = policies.spec(policy).name
+        for name, capacity in self.members.items():
+            self.index.remove_replica(name)
+            self.index.add_replica(name, capacity)
+        self.policy = self._new_policy(self.settings["policy"])
+        return self.policy.name
+
+    def snapshot(self) -> CoreSnapshot:
+        return CoreSnapshot(self.policy.name, self.index_mode, self.block_size, {
+            n: ReplicaView(self.load.inflight[n], self.load.local.get(n, 0),
+                           self.load.pending_prefill.get(n, 0), self.index.size(n),
+                           self.index.speculative(n))
+            for n in self.members})

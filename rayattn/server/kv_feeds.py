@@ -1,0 +1,167 @@
+"""The router's live subscriptions to every engine's KV events (ZMQ), written into the
+routing core's index. With `router.index: predicted` there are none: the index is the
+router's own guess.
+
+Replicas join with an empty view (a new engine's cache is empty; the snapshot fills it) and
+leave with theirs forgotten (the core drops the blocks; here the subscription ends).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from rayattn.routing.core import RoutingCore
+from rayattn.routing.kv_events import CacheSink, Snapshot, apply_batch, decoder
+from rayattn.routing.prefix_index import EventIndex
+from rayattn.server.background import detached
+
+log = logging.getLogger("rayattn.kv_events")
+
+
+class _ReplicaSink:
+    """Events of one engine applied to the core's current index (looked up per batch: a
+    live index change replaces it)."""
+
+    def __init__(self, core: RoutingCore, replica: str) -> None:
+        self.core, self.replica = core, replica
+
+    def _index(self) -> EventIndex | None:
+        index = self.core.index
+        return index if isinstance(index, EventIndex) else None
+
+    def stored(self, keys: list[int]) -> None:
+        if (index := self._index()) is not None:
+            index.stored(self.replica, keys)
+
+    def removed(self, keys: list[int]) -> None:
+        if (index := self._index()) is not None:
+            index.removed(self.replica, keys)
+
+    def cleared(self) -> None:
+        if (index := self._index()) is not None:
+            index.cleared(self.replica)
+
+    def reset(self, keys: list[int]) -> None:
+        if (index := self._index()) is not None:
+            index.reset(self.replica, keys)
+
+
+class KVFeeds:
+    """One EventFeed per engine replica in the core's membership, when the index follows
+    events."""
+
+    def __init__(self, core: RoutingCore) -> None:
+        self.core = core
+        self.feeds: dict[str, EventFeed] = {}
+
+    def join(self, name: str, endpoint: str | None, handle: Any) -> None:
+        self.leave(name)
+        if self.core.index_mode != "events":
+            return
+        if not endpoint:
+            log.error("engine %s publishes no KV events (engine.kv_events off?): the router "
+                      "only sees what it sent there, for router.speculative_ttl_s", name)
+            return
+
+        async def snapshot() -> Snapshot:
+            return await handle.kv_snapshot.remote()
+
+        sink = _ReplicaSink(self.core, name)
+        feed = EventFeed(endpoint, sink, snapshot, sink.reset, name)
+        self.feeds[name] = feed
+        feed.start()
+
+    def leave(self, name: str) -> None:
+        feed = self.feeds.pop(name, None)
+        if feed is not None:
+            feed.stop()
+
+    def stats(self, name: str) -> dict[str, Any]:
+        feed = self.feeds.get(name)
+        if feed is None:
+            return {}
+        return {"seq": feed.last_seq, "resyncs": feed.resyncs, "batches": feed.batches}
+
+
+class EventFeed:
+    """Follows one engine's event stream into `sink` (a router's view of that engine).
+
+    Order of operations on (re)sync: subscribe first, then fetch the engine replica's
+    snapshot (its mirror's state at sequence S), drop buffered batches ≤ S, apply the rest.
+    A batch whose sequence is not last+1 means batches were lost: resync."""
+
+    def __init__(self, endpoint: str, sink: CacheSink, snapshot: Callable[[], Awaitable[Snapshot]],
+                 reset: Callable[[list[int]], None], name: str) -> None:
+        self.endpoint, self.sink, self._snapshot, self._reset = endpoint, sink, snapshot, reset
+        self.name = name
+        self.last_seq = -1
+        self._seen = -1
+        """Highest sequence number received (a resync must reach at least this)."""
+        self.resyncs = 0
+        self.batches = 0
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = detached(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    async def _run(self) -> None:
+        import zmq
+        import zmq.asyncio
+
+        ctx = zmq.asyncio.Context.instance()
+        dec = decoder()
+        while True:
+            sock = ctx.socket(zmq.SUB)
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, 0)
+            sock.connect(self.endpoint)
+            try:
+                await self._follow(sock, dec)
+            except asyncio.CancelledError:
+                sock.close()
+                raise
+            except Exception:
+                log.exception("KV event feed %s failed; resyncing", self.name)
+                await asyncio.sleep(1.0)
+            sock.close()
+
+    async def _follow(self, sock: Any, dec: Any) -> None:
+        # Give the subscription a moment to reach the publisher (ZMQ's slow joiner), then
+        # take the snapshot; anything published meanwhile is buffered in the socket.
+        await asyncio.sleep(0.05)
+        snap = await self._snapshot()
+        for _ in range(100):
+            # After a gap the mirror may still be catching up (it fills its own gaps from
+            # vLLM's replay buffer): wait until it reflects what this feed already saw.
+            if snap.seq >= self._seen:
+                break
+            await asyncio.sleep(0.1)
+            snap = await self._snapshot()
+        self._reset(snap.keys)
+        self.last_seq = snap.seq
+        self.resyncs += 1
+        while True:
+            parts = await sock.recv_multipart()
+            if len(parts) != 3:
+                continue
+            seq = int.from_bytes(parts[1], "big")
+            self._seen = max(self._seen, seq)
+            if seq <= self.last_seq:
+                continue  # already in the snapshot
+            if seq != self.last_seq + 1:
+                log.warning("KV events of %s: gap (%d after %d); resyncing", self.name, seq,
+                            self.last_seq)
+                return
+            apply_batch(dec.decode(parts[2]), self.sink)
+            self.last_seq = seq
+            self.batches += 1
