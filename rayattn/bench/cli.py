@@ -95,6 +95,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
                        a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+            write_engine_model(a, url, raw)
         for n in [int(x) for x in (a.ingress or "").split(",") if x]:
             if a.target is not None:
                 raise SystemExit("--ingress redeploys the router: only with the local deployment")
@@ -119,6 +120,30 @@ def cmd_bench(a: argparse.Namespace) -> int:
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
     return 0
+
+
+def write_engine_model(a: argparse.Namespace, url: str, raw: dict) -> None:
+    """The simulator's engine coefficients fitted from this run's affinity requests
+    (`rayattn simulate --engine-model <out>/engine_model.json`)."""
+    import yaml
+
+    from rayattn.bench.fit import base_model, fit_engine_model, results_from_json
+    from rayattn.config.loader import rayattn_apps
+
+    rows = [r for k, v in raw.items() if k.split("/", 1)[1].startswith("rayattn affinity")
+            for r in v]
+    if len(rows) < 8:
+        return
+    _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
+    try:
+        model = fit_engine_model(results_from_json(rows),
+                                 base_model(url, cfg.engine.model_dump()))
+    except ValueError as e:
+        print(f"engine model not fitted: {e}")
+        return
+    Path(a.out).mkdir(parents=True, exist_ok=True)
+    model.save(Path(a.out) / "engine_model.json")
+    print(f"simulator coefficients fitted from this run: {Path(a.out) / 'engine_model.json'}")
 
 
 def deploy_router(config: str, replicas: int, settings: dict) -> None:
@@ -271,15 +296,22 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     else:
         trace = multi_turn_trace(a.requests // a.turns, a.turns, a.groups, a.system_tokens,
                                  a.question_tokens, a.output_tokens, a.rate,
-                                 block_size=a.block_size, seed=a.seed)
-    model = EngineModel(a.prefill_s_per_token, a.ctx_s_per_token, a.itl_base_s,
-                        a.itl_per_seq_s, a.capacity_blocks, a.block_size)
+                                 think_s=a.think_s, block_size=a.block_size, seed=a.seed,
+                                 document_tokens=a.document_tokens
+                                 if a.workload == "doc_chat" else 0)
+    if a.engine_model:
+        # Coefficients fitted from a real run (`rayattn bench` writes engine_model.json).
+        model = EngineModel.load(a.engine_model)
+        a.block_size = model.block_size
+    else:
+        model = EngineModel(a.prefill_s_per_token, a.ctx_s_per_token, a.itl_base_s,
+                            a.itl_per_seq_s, a.capacity_blocks, a.block_size)
     rows = []
     for pol in a.policies.split(","):
         for index in a.index.split(","):
             for routers in [int(x) for x in a.routers.split(",")]:
                 r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
-                             index=index)
+                             index=index, concurrency=a.concurrency, think_s=a.think_s)
                 d = asdict(r)
                 d.pop("per_replica")
                 d["index"] = index
@@ -341,8 +373,16 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="discrete-event fleet simulation with the real router")
     s.add_argument("--replicas", type=int, default=64)
     s.add_argument("--requests", type=int, default=100_000)
-    s.add_argument("--workload", choices=["shared_prefix", "multi_turn"],
+    s.add_argument("--workload", choices=["shared_prefix", "multi_turn", "doc_chat"],
                    default="shared_prefix")
+    s.add_argument("--engine-model", help="engine_model.json fitted by `rayattn bench` "
+                                          "(replaces the coefficient flags)")
+    s.add_argument("--concurrency", type=int, default=None,
+                   help="closed loop: conversations at a time (default: open loop at --rate)")
+    s.add_argument("--think-s", type=float, default=0.0,
+                   help="pause between a conversation's answer and its next turn")
+    s.add_argument("--document-tokens", type=int, default=2048,
+                   help="doc_chat: each conversation's own document")
     s.add_argument("--policies", default=",".join(POLICIES))
     s.add_argument("--routers", default="1", help="ingress replicas, e.g. 1,4")
     s.add_argument("--index", default="events,predicted",

@@ -35,6 +35,10 @@ class Result:
     """What the router predicted (-1: not a rayattn endpoint)."""
     engine_ttft_s: float | None = None
     """TTFT inside the engine replica; ttft_s minus this is the serving hops' share."""
+    engine_prefill_s: float | None = None
+    """The engine's scheduled → first token (its own clock)."""
+    engine_queue_s: float | None = None
+    engine_itl_s: float | None = None
     router_s: float | None = None
     """The router's own hop: request in → engine call issued."""
     loads: str = ""
@@ -73,7 +77,10 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
                   output_text="".join(text),
                   predicted_cached_tokens=ext.get("predicted_cached_tokens", -1),
-                  engine_ttft_s=ext.get("engine_ttft_s"), router_s=ext.get("router_s"),
+                  engine_ttft_s=ext.get("engine_ttft_s"),
+                  engine_prefill_s=ext.get("engine_prefill_s"),
+                  engine_queue_s=ext.get("engine_queue_s"),
+                  engine_itl_s=ext.get("engine_itl_s"), router_s=ext.get("router_s"),
                   loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")))
 
 

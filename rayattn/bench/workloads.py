@@ -59,6 +59,20 @@ def multi_turn(conversations: int = 8, turns: int = 4, shared_systems: int = 2,
     return Workload("multi_turn", convs)
 
 
+def doc_chat(conversations: int = 16, turns: int = 4, doc_words: int = 500,
+             user_words: int = 60, max_tokens: int = 32, seed: int = 0) -> Workload:
+    """Multi-turn chats that each carry a long document of their own (a contract, a code
+    file, meeting notes): nothing is shared between conversations, so every hit comes from
+    keeping a conversation where its history is."""
+    rng = random.Random(seed)
+    convs = [Conversation(f"Conversation {c}. Work only from these notes:\n"
+                          + _text(rng, doc_words),
+                          [f"Turn {t}: " + _text(rng, user_words) for t in range(turns)],
+                          f"doc-{c}", max_tokens)
+             for c in range(conversations)]
+    return Workload("doc_chat", convs)
+
+
 def long_doc_qa(documents: int = 3, questions_per_doc: int = 10, doc_words: int = 900,
                 question_words: int = 15, max_tokens: int = 16, seed: int = 0) -> Workload:
     """A few long documents, many questions about each (questions of one document interleave
@@ -83,5 +97,5 @@ def mix(seed: int = 0) -> Workload:
     return Workload("mix", convs)
 
 
-WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn,
+WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "doc_chat": doc_chat,
              "long_doc_qa": long_doc_qa, "mix": mix}

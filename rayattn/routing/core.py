@@ -157,7 +157,7 @@ class RoutingCore:
         """The call to `d.replica` is being issued; `ended(d)` must follow, however it
         ends."""
         d.uncached_tokens = route.prompt_tokens - d.predicted_cached_tokens
-        d.prefill_pending = True
+        d.prefill_pending = d.in_flight = True
         self.load.acquire(d.replica, d.uncached_tokens)
         self.policy.on_dispatch(d.replica, route)
         d.dispatched_at = time.perf_counter()
@@ -183,9 +183,11 @@ class RoutingCore:
                             self.load.inflight[d.replica])
 
     def ended(self, d: Decision) -> None:
-        """The attempt is over (finished, failed or cancelled): its load is released."""
-        self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
-        d.prefill_pending = False
+        """The attempt is over (finished, failed or cancelled): its load is released, once
+        however many cleanup paths report it."""
+        if d.in_flight:
+            self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
+            d.prefill_pending = d.in_flight = False
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: Mapping[str, Any]) -> bool:

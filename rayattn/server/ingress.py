@@ -409,7 +409,9 @@ def _ext(last: Any, d: Decision, arrived: float) -> dict:
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason,
             "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
-            "engine_ttft_s": t.get("ttft_s"), "served_by": last.served_by,
+            "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
+            "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
+            "served_by": last.served_by,
             "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
             # The router's own hop: request in (after the HTTP proxy) → engine call issued.
             "router_s": round(d.dispatched_at - arrived, 6) if d.dispatched_at else None}

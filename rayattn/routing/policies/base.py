@@ -42,6 +42,8 @@ class Decision:
     uncached_tokens: int = 0
     """Tokens this attempt adds to the replica's pending prefill until its first token."""
     prefill_pending: bool = False
+    in_flight: bool = False
+    """Between the core's `dispatched` and `ended`: load is held for it."""
 
 
 def cached_tokens(prompt_tokens: int, matched_blocks: int, block_size: int) -> int:

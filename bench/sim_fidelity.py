@@ -1,0 +1,105 @@
+"""Does `rayattn simulate` predict the real run? Real CPU engines and the simulator, same
+workloads, same seeds, one invocation.
+
+Starts deployments/local.yaml (2 engines), runs each workload closed-loop with the
+affinity router on cold caches, fits the simulator's engine coefficients from those runs'
+engine timings (rayattn/bench/fit.py, written to engine_model.json), then replays every
+run's exact requests (prompts, outputs, conversation order) through the simulator at the
+same concurrency and prints real vs simulated hit/oracle and TTFT p50/p90.
+
+    .venv/bin/python bench/sim_fidelity.py --out bench/results/fidelity
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import httpx
+from transformers import AutoTokenizer
+
+from rayattn.bench.cli import _pct, _score, start_local, stop_local
+from rayattn.bench.driver import run_workload
+from rayattn.bench.fit import base_model, fit_engine_model
+from rayattn.bench.simulate import simulate, trace_from_run
+from rayattn.bench.workloads import doc_chat, multi_turn, shared_prefix
+from rayattn.models.embedded import resolve_embedded
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--port", type=int, default=8124)
+    ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--seeds", default="1,2")
+    ap.add_argument("--fit-seed", type=int, default=0,
+                    help="seed of the runs the coefficients are fitted from (not scored)")
+    ap.add_argument("--out", default="bench/results/fidelity")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = AutoTokenizer.from_pretrained(str(resolve_embedded("rayattn://smollm2-135m")))
+
+    def workloads(seed: int) -> dict:
+        return {"shared_prefix": shared_prefix(groups=4, prompts_per_group=8, seed=seed),
+                "multi_turn": multi_turn(conversations=12, turns=4, shared_systems=4,
+                                         seed=seed),
+                "doc_chat": doc_chat(conversations=12, turns=4, seed=seed)}
+
+    url, startup = start_local(a.port)
+    print(f"local deployment up in {startup:.1f}s")
+    runs = []
+    try:
+        base = base_model(url, {"max_num_batched_tokens": 2048, "max_num_seqs": 32})
+        for seed in [a.fit_seed] + [int(s) for s in a.seeds.split(",")]:
+            for name, wl in workloads(seed).items():
+                httpx.post(f"{url}/admin/reset", json={"policy": "affinity"},
+                           timeout=60).raise_for_status()
+                res, wall = asyncio.run(run_workload(url, "smollm2", wl,
+                                                     concurrency=a.concurrency))
+                runs.append((seed, name, wl, res, _score(res, wall, wl, tok, base.block_size)))
+                print(f"real {name} seed {seed}: {runs[-1][4]['hit_vs_block_oracle']:.3f} "
+                      f"of oracle, wall {wall:.1f}s", flush=True)
+    finally:
+        stop_local()
+    fit_runs = [r for s, _, _, res, _ in runs if s == a.fit_seed for r in res]
+    model = fit_engine_model(fit_runs, base)
+    model.save(out / "engine_model.json")
+    print("fitted:", asdict(model))
+    rows = []
+    for seed, name, wl, res, real in runs:
+        if seed == a.fit_seed:
+            continue
+        trace = trace_from_run(res, wl, tok, model.block_size)
+        sim = simulate(trace, 2, "affinity", model, index="events",
+                       concurrency=a.concurrency)
+        later = sorted(r.ttft_s for r in res if r.status == 200 and r.turn > 0)
+        rows.append({"workload": name, "seed": seed,
+                     "real_hit_vs_oracle": real["hit_vs_block_oracle"],
+                     "sim_hit_vs_oracle": sim.hit_vs_oracle,
+                     "real_ttft_p50_s": real["ttft_p50_s"], "sim_ttft_p50_s": sim.ttft_p50_s,
+                     "real_ttft_p90_s": real["ttft_p90_s"], "sim_ttft_p90_s": sim.ttft_p90_s,
+                     "real_later_ttft_p90_s": _pct(later, 0.9),
+                     "sim_later_ttft_p90_s": sim.later_ttft_p90_s,
+                     "real_wall_s": real["wall_s"], "sim_wall_s": sim.sim_wall_s})
+    lines = ["| workload | seed | hit/oracle real | sim | TTFT p50 real s | sim | ratio "
+             "| TTFT p90 real s | sim | ratio | wall real s | sim |", "|" + "---|" * 12]
+    for r in rows:
+        lines.append(
+            f"| {r['workload']} | {r['seed']} | {r['real_hit_vs_oracle']:.3f} | "
+            f"{r['sim_hit_vs_oracle']:.3f} | {r['real_ttft_p50_s']:.2f} | "
+            f"{r['sim_ttft_p50_s']:.2f} | {r['sim_ttft_p50_s'] / r['real_ttft_p50_s']:.2f} | "
+            f"{r['real_ttft_p90_s']:.2f} | {r['sim_ttft_p90_s']:.2f} | "
+            f"{r['sim_ttft_p90_s'] / r['real_ttft_p90_s']:.2f} | {r['real_wall_s']:.1f} | "
+            f"{r['sim_wall_s']:.1f} |")
+    md = "\n".join(lines)
+    (out / "fidelity.md").write_text(md + "\n")
+    (out / "fidelity.json").write_text(json.dumps({"model": asdict(model), "rows": rows},
+                                                  indent=2))
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+"""The package's layers import downwards only, and the routing core has no transport in it
+(the simulator and the unit tests run the very code that ships)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[2] / "rayattn"
+
+# Lowest first: a module may import its own layer's packages and lower layers' only.
+LAYERS = [
+    {"compat", "logs", "models", "metrics", "routing"},
+    {"backends"},
+    {"config"},
+    {"engine"},
+    {"server"},
+    {"app"},
+    {"bench", "k8s"},
+    {"cli"},
+]
+LEVEL = {pkg: n for n, layer in enumerate(LAYERS) for pkg in layer}
+
+# Transport, processes and tasks live with the server or engine code that owns them.
+NOT_IN_ROUTING = ("ray", "zmq", "fastapi", "starlette", "grpc", "asyncio", "threading",
+                  "multiprocessing", "rayattn.server", "rayattn.engine", "rayattn.config")
+
+
+def _imports(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            out.append(node.module)
+        elif isinstance(node, ast.Import):
+            out.extend(a.name for a in node.names)
+    return out
+
+
+def _package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if parts[0] == "rayattn" and len(parts) > 1 else None
+
+
+def _modules() -> list[tuple[str, Path]]:
+    return [(p.relative_to(PACKAGE).parts[0].removesuffix(".py"), p)
+            for p in PACKAGE.rglob("*.py") if p.name != "__init__.py" or p.parent != PACKAGE]
+
+
+def test_every_package_has_a_layer():
+    assert {pkg for pkg, _ in _modules()} <= set(LEVEL)
+
+
+def test_no_import_runs_up_the_layers():
+    upward = []
+    for pkg, path in _modules():
+        for module in _imports(path):
+            target = _package(module)
+            if target in LEVEL and LEVEL[target] > LEVEL[pkg]:
+                upward.append(f"{path.relative_to(PACKAGE)} imports {module}")
+    assert upward == []
+
+
+def test_routing_has_no_transport():
+    found = [f"{p.relative_to(PACKAGE)} imports {m}" for pkg, p in _modules()
+             if pkg == "routing" for m in _imports(p)
+             if any(m == banned or m.startswith(banned + ".") for banned in NOT_IN_ROUTING)]
+    assert found == []
