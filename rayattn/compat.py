@@ -159,11 +159,12 @@ def engine_env_defaults(platform: str, engine_kwargs: dict[str, Any] | None = No
         # Give this engine its own TCPStore port window (see tcpstore_port_race): a port
         # the OS has just handed out, so co-located replicas start their probes apart. With
         # vLLM's own DP (data_parallel_size > 1) the variable is vLLM's and left alone.
-        env["VLLM_DP_MASTER_PORT"] = str(_free_port() - 100)
+        env["VLLM_DP_MASTER_PORT"] = str(free_port() - 100)
     return env
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port the OS has just handed out (free now, not reserved)."""
     import socket
 
     with socket.socket() as s:

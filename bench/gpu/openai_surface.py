@@ -42,7 +42,7 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
     from rayattn.models.tiny import _CHAT_TEMPLATE, make_tiny_model
-    from rayattn.server.rendering import Renderer
+    from rayattn.server.rendering import PromptRenderer
 
     d = Path(a.dir)
     path = make_tiny_model("llama", d / "model")
@@ -132,7 +132,7 @@ def main() -> int:
                 extra_body={"return_token_ids": True,
                             "chat_template_kwargs": body["chat_template_kwargs"]})
             cfg = parse_args(args)
-            ren = asyncio.run(Renderer.create(cfg, build_plan(cfg).engine_kwargs))
+            ren = asyncio.run(PromptRenderer.create(cfg, build_plan(cfg).engine_kwargs))
             ids = asyncio.run(ren.render("chat", compat.openai_model("chat")
                                          .model_validate(body))).token_ids
             assert ids == r.model_extra["prompt_token_ids"]

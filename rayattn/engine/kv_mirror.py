@@ -10,18 +10,25 @@ missing batches from vLLM's replay socket.
 from __future__ import annotations
 
 import logging
-import socket
 import threading
+from typing import Any
 
 from rayattn.routing.kv_events import Snapshot, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
 
 
-def free_tcp_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+def subscriber(ctx: Any, endpoint: str) -> Any:
+    """A ZMQ SUB socket on an engine's KV event stream: everything, unbounded queue (a
+    dropped batch would only force a resync), no linger on close."""
+    import zmq
+
+    sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    return sock
 
 
 def node_ip() -> str:
@@ -75,11 +82,7 @@ class KVMirror:
         import zmq
 
         ctx = zmq.Context.instance()
-        sub = ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.SUBSCRIBE, b"")
-        sub.setsockopt(zmq.RCVHWM, 0)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.connect(f"tcp://127.0.0.1:{self.pub_port}")
+        sub = subscriber(ctx, f"tcp://127.0.0.1:{self.pub_port}")
         dec = decoder()
         while not self._stop.is_set():
             try:

@@ -67,9 +67,9 @@ class EngineReplica:
             # before the engine publishes anything) is what they resync from.
             from vllm.config import KVEventsConfig
 
-            from rayattn.engine.kv_mirror import KVMirror, free_tcp_port, node_ip
+            from rayattn.engine.kv_mirror import KVMirror, node_ip
 
-            pub, replay = free_tcp_port(), free_tcp_port()
+            pub, replay = compat.free_port(), compat.free_port()
             kwargs["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
                 replay_endpoint=f"tcp://*:{replay}", topic="kv")

@@ -62,9 +62,9 @@ class ReplicaView:
 @dataclass
 class CoreSnapshot:
     policy: str
-    index: str
+    index_mode: str
     block_size: int
-    members: dict[str, ReplicaView]
+    routable: dict[str, ReplicaView]
 
 
 class RoutingCore:
@@ -79,8 +79,9 @@ class RoutingCore:
         self._seed, self._clock = seed, clock
         self.load = LoadTracker(origin)
         self.hasher = BlockHasher(block_size, hash_algo, hash_seed)
-        self.members: dict[str, int] = {}
-        """Replicas routed to, with their KV capacity in blocks."""
+        self.routable: dict[str, int] = {}
+        """The replicas this core routes to (joined and not left), with their KV capacity in
+        blocks."""
         self.index = self._new_index()
         self.policy = self._new_policy(self.settings["policy"])
 
@@ -98,7 +99,7 @@ class RoutingCore:
             raise ValueError(f"router.index: {mode!r} is not one of {INDEX_MODES}")
         index: PrefixIndex = (EventIndex(self.settings["speculative_ttl_s"], self._clock)
                               if mode == "events" else PrefixIndex())
-        for name, capacity in self.members.items():
+        for name, capacity in self.routable.items():
             index.add_replica(name, capacity)
         return index
 
@@ -109,7 +110,7 @@ class RoutingCore:
     # --- membership ---------------------------------------------------------------------
     def joined(self, name: str, block_size: int, capacity_blocks: int) -> bool:
         """An engine replica is up. False when the router cannot route to it correctly."""
-        if block_size != self.block_size and not self.members:
+        if block_size != self.block_size and not self.routable:
             # The engine is the authority on its block size (vLLM may override the configured
             # one for a backend): the first engine up sets what the router hashes.
             log.warning("engine %s reports KV block size %d (configured %d): hashing with %d",
@@ -124,12 +125,12 @@ class RoutingCore:
             return False
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
-        self.members[name] = capacity_blocks
+        self.routable[name] = capacity_blocks
         return True
 
     def left(self, name: str) -> None:
         """A replica is gone (down, drained, replaced): nothing learned of it stays."""
-        self.members.pop(name, None)
+        self.routable.pop(name, None)
         self.index.remove_replica(name)
         self.policy.forget_replica(name)
         self.load.forget(name)
@@ -137,7 +138,7 @@ class RoutingCore:
     def reported(self, name: str, by_origin: Mapping[str, int],
                  stamp: tuple[int, int] | None = None) -> None:
         """An engine's in-flight requests per sending router (probe reply or chunk)."""
-        if name in self.members:
+        if name in self.routable:
             self.load.reported(name, by_origin, stamp)
 
     # --- one request --------------------------------------------------------------------
@@ -171,7 +172,7 @@ class RoutingCore:
     def finished(self, d: Decision, route: RouteRequest, done: Finished) -> None:
         """The request ran to its end on `d.replica`: learn where its blocks are and how
         fast the engine was. A replica that left meanwhile must not re-enter the index."""
-        if d.replica not in self.members:
+        if d.replica not in self.routable:
             return
         keys = done.continuation_keys
         if keys is None:
@@ -212,7 +213,7 @@ class RoutingCore:
         alike."""
         if policy:
             self.settings["policy"] = policies.spec(policy).name
-        for name, capacity in self.members.items():
+        for name, capacity in self.routable.items():
             self.index.remove_replica(name)
             self.index.add_replica(name, capacity)
         self.policy = self._new_policy(self.settings["policy"])
@@ -223,4 +224,4 @@ class RoutingCore:
             n: ReplicaView(self.load.inflight[n], self.load.local.get(n, 0),
                            self.load.pending_prefill.get(n, 0), self.index.size(n),
                            self.index.speculative(n))
-            for n in self.members})
+            for n in self.routable})

@@ -96,7 +96,7 @@ class RouterSnapshot:
     replicas: int
     joined: int
     policy: str
-    index: str
+    index_mode: str
     max_inflight: int
     counts: dict[str, int]
     engines: dict[str, EngineStatus] = field(default_factory=dict)
@@ -186,7 +186,7 @@ class Dispatcher:
         core: CoreSnapshot = self.core.snapshot()
         engines = {}
         for n, r in self.fleet.members.items():
-            info, view = r.info, core.members.get(n)
+            info, view = r.info, core.routable.get(n)
             cache_view: dict[str, Any] = {"blocks": view.blocks if view else 0,
                                           **self.feeds.stats(n)}
             if view is not None and view.speculative_blocks is not None:
@@ -199,7 +199,7 @@ class Dispatcher:
                 info.block_size if info else None, info.engine_pids if info else [],
                 info.devices if info else [], cache_view)
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
-                              core.policy, core.index, self.admission.limit,
+                              core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, "admitted_now": self.admission.inflight,
                                "admitted_peak": self.admission.peak}, engines)
 

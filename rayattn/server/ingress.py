@@ -31,7 +31,7 @@ from rayattn.server.errors import (
     failed_request,
     from_validation,
 )
-from rayattn.server.rendering import Rendered, Renderer
+from rayattn.server.rendering import PromptRenderer, Rendered
 
 log = logging.getLogger("rayattn.ingress")
 REQUEST_ID_HEADER = "x-request-id"
@@ -46,8 +46,8 @@ class Ingress:
         plan = build_plan(self.cfg, prepare_model=True)
         self.model_name = self.cfg.model.name
         self.engine_kwargs = plan.engine_kwargs
-        self._renderer_task: asyncio.Task[Renderer] | None = None
-        self._rendering: Renderer | None = None  # the built one, once the task is done
+        self._renderer_building: asyncio.Task[PromptRenderer] | None = None
+        self._renderer_built: PromptRenderer | None = None  # once the task is done
         self._models: dict[str, Any] | None = None
         self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines)
         self.keys = Keys.from_env(self.cfg.router)
@@ -73,23 +73,23 @@ class Ingress:
         """The fleet view, and vLLM's renderer built in the background from the first call
         (a health probe, usually) so that no request waits for it."""
         await self.dispatcher.start()
-        if self._renderer_task is None:
-            self._renderer_task = asyncio.get_running_loop().create_task(
-                Renderer.create(self.cfg, self.engine_kwargs))
+        if self._renderer_building is None:
+            self._renderer_building = asyncio.get_running_loop().create_task(
+                PromptRenderer.create(self.cfg, self.engine_kwargs))
 
-    async def _renderer(self) -> Renderer:
-        if self._rendering is not None:
-            return self._rendering
+    async def _prompt_renderer(self) -> PromptRenderer:
+        if self._renderer_built is not None:
+            return self._renderer_built
         await self._start()
-        task = self._renderer_task
+        task = self._renderer_building
         assert task is not None
         try:
-            self._rendering = await asyncio.shield(task)
-            return self._rendering
+            self._renderer_built = await asyncio.shield(task)
+            return self._renderer_built
         except Exception as e:  # e.g. the tokenizer not loadable here: retried next request
             log.error("vLLM's renderer could not be built: %r", e)
-            if self._renderer_task is task:
-                self._renderer_task = None
+            if self._renderer_building is task:
+                self._renderer_building = None
             raise APIError(503, "the router cannot render prompts yet: "
                                 f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
 
@@ -121,7 +121,7 @@ class Ingress:
         return data, body
 
     async def _render(self, kind: str, body: Any) -> Rendered:
-        renderer = await self._renderer()
+        renderer = await self._prompt_renderer()
         try:
             out = await renderer.render(kind, body)
         except compat.client_error_types() as e:  # vLLM's: prompt too long, bad template…
@@ -260,7 +260,7 @@ class Ingress:
             # Validate everything before changing anything; unnamed settings stay as they are.
             now = d.snapshot()
             current = {**self.cfg.router.model_dump(), "policy": now.policy,
-                       "index": now.index}
+                       "index": now.index_mode}
             want = RouterConfig.model_validate(
                 {**current, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
             if want.index != current["index"]:
@@ -274,7 +274,7 @@ class Ingress:
         except ValueError as e:
             return APIError(400, str(e)).response()
         after = self.dispatcher.snapshot()
-        return JSONResponse({"policy": policy, "index": after.index,
+        return JSONResponse({"policy": policy, "index": after.index_mode,
                              "replicas_up": after.replicas_up})
 
     async def models(self, request: Request) -> Response:
@@ -305,7 +305,7 @@ class Ingress:
                 "reason": None if live else self._not_ready().message,
                 "replicas": snap.replicas, "joined": snap.joined, "policy": snap.policy,
                 "router_pid": os.getpid(), "limits": {"max_inflight": snap.max_inflight},
-                "index": snap.index, "counts": snap.counts,
+                "index": snap.index_mode, "counts": snap.counts,
                 "engines": {n: asdict(e) for n, e in snap.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})

@@ -13,6 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from rayattn.engine.kv_mirror import subscriber
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.kv_events import CacheSink, Snapshot, apply_batch, decoder
 from rayattn.routing.prefix_index import EventIndex
@@ -114,17 +115,12 @@ class EventFeed:
             self._task = None
 
     async def _run(self) -> None:
-        import zmq
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
         dec = decoder()
         while True:
-            sock = ctx.socket(zmq.SUB)
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.RCVHWM, 0)
-            sock.connect(self.endpoint)
+            sock = subscriber(ctx, self.endpoint)
             try:
                 await self._follow(sock, dec)
             except asyncio.CancelledError:

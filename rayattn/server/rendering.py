@@ -20,32 +20,32 @@ class Rendered:
         """The prompt's text as the client sent it (ray_prefix routes on characters)."""
 
 
-class Renderer:
+class PromptRenderer:
     def __init__(self, renderer: Any) -> None:
-        self._renderer = renderer
+        self._vllm = renderer
 
     @classmethod
-    async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> Renderer:
+    async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
         state = await compat.render_state(engine_kwargs, frontend_kwargs(cfg))
         return cls(state.online_renderer)
 
     @property
     def tokenizer(self) -> Any:
-        return self._renderer.renderer.tokenizer
+        return self._vllm.renderer.tokenizer
 
     async def render(self, kind: str, request: Any) -> Rendered | Any:
         """The prompt of a validated chat or completion request, or vLLM's ErrorResponse
         (the client's error: unknown tool choice, template error, prompt too long, …).
         A completion with several prompts routes on its first."""
         if kind == "chat":
-            out = await self._renderer.render_chat(request)
+            out = await self._vllm.render_chat(request)
             if isinstance(out, compat.openai_model("error")):
                 return out
             _, inputs = out
             text = "\n".join(_text(m.get("content")) for m in request.messages
                              if isinstance(m, dict))
         else:
-            inputs = await self._renderer.render_completion(request)
+            inputs = await self._vllm.render_completion(request)
             if isinstance(inputs, compat.openai_model("error")):
                 return inputs
             p = request.prompt

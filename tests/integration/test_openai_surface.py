@@ -185,7 +185,7 @@ def test_router_renders_exactly_the_engines_prompt(chat_app, chat_client, kwargs
     token ids the engine's serving layer rendered, with tools and chat_template_kwargs."""
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
-    from rayattn.server.rendering import Renderer
+    from rayattn.server.rendering import PromptRenderer
 
     url, args = chat_app
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "weather?"}],
@@ -197,7 +197,7 @@ def test_router_renders_exactly_the_engines_prompt(chat_app, chat_client, kwargs
     engine_ids = r.model_extra["prompt_token_ids"]
 
     cfg = parse_args(args)
-    renderer = asyncio.run(Renderer.create(cfg, build_plan(cfg).engine_kwargs))
+    renderer = asyncio.run(PromptRenderer.create(cfg, build_plan(cfg).engine_kwargs))
     from rayattn import compat
 
     request = compat.openai_model("chat").model_validate(body)

@@ -93,13 +93,13 @@ def test_a_replica_that_leaves_mid_request_does_not_reenter_the_index():
     c.first_token(d)
     c.finished(d, route, Finished(route.prompt_tokens, 0, [1, 2, 3], {"itl_s": 0.01}))
     c.ended(d)
-    assert d.replica not in c.members
+    assert d.replica not in c.routable
     assert d.replica not in c.index.replicas
     assert d.replica not in c.load.local  # nothing left of it once its last call ended
-    assert d.replica not in c.snapshot().members
+    assert d.replica not in c.snapshot().routable
 
 
-def test_engine_load_reports_apply_only_to_members():
+def test_engine_load_reports_apply_only_to_routable_replicas():
     c = core()
     c.reported("a", {"other-router": 5})
     c.reported("gone", {"other-router": 9})
@@ -138,7 +138,7 @@ def test_block_size_from_the_first_engine_and_mismatches_refused():
     c = RoutingCore(RouterConfig().model_dump(), 32)
     assert c.joined("a", BS, 100) and c.block_size == BS
     assert not c.joined("b", 32, 100)
-    assert "b" not in c.members
+    assert "b" not in c.routable
 
 
 def test_unknown_policy_names_the_registered_ones():
