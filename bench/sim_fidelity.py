@@ -2,10 +2,11 @@
 workloads, same seeds, one invocation.
 
 Starts deployments/local.yaml (2 engines), runs each workload closed-loop with the
-affinity router on cold caches, fits the simulator's engine coefficients from those runs'
-engine timings (rayattn/bench/fit.py, written to engine_model.json), then replays every
-run's exact requests (prompts, outputs, conversation order) through the simulator at the
-same concurrency and prints real vs simulated hit/oracle and TTFT p50/p90.
+affinity router on cold caches (runs.json), fits and calibrates the simulator's engine
+coefficients on the runs of `--fit-seed` only (rayattn/bench/fit.py, engine_model.json),
+then replays every other run's exact requests (prompts, outputs, conversation order)
+through the simulator at the same concurrency and prints real vs simulated hit/oracle and
+TTFT p50/p90. `--runs runs.json` redoes the fit and the table from saved runs.
 
     .venv/bin/python bench/sim_fidelity.py --out bench/results/fidelity
 """
@@ -22,11 +23,40 @@ import httpx
 from transformers import AutoTokenizer
 
 from rayattn.bench.cli import _pct, _score, start_local, stop_local
-from rayattn.bench.driver import run_workload
-from rayattn.bench.fit import base_model, fit_engine_model
-from rayattn.bench.simulate import simulate, trace_from_run
+from rayattn.bench.driver import results_json, run_workload
+from rayattn.bench.fit import (
+    base_model,
+    calibrate,
+    case_of,
+    fit_engine_model,
+    results_from_json,
+)
+from rayattn.bench.simulate import EngineModel, simulate, trace_from_run
 from rayattn.bench.workloads import doc_chat, multi_turn, shared_prefix
 from rayattn.models.embedded import resolve_embedded
+
+
+def real_runs(a: argparse.Namespace, workloads) -> dict:
+    url, startup = start_local(a.port)
+    print(f"local deployment up in {startup:.1f}s")
+    runs = []
+    try:
+        base = base_model(url, {"max_num_batched_tokens": 2048, "max_num_seqs": 32})
+        for seed in [a.fit_seed] + [int(s) for s in a.seeds.split(",")]:
+            for name, wl in workloads(seed).items():
+                for policy in a.policies.split(","):
+                    if seed == a.fit_seed and policy != "affinity":
+                        continue  # calibrated on affinity runs only
+                    httpx.post(f"{url}/admin/reset", json={"policy": policy},
+                               timeout=60).raise_for_status()
+                    res, wall = asyncio.run(run_workload(url, "smollm2", wl,
+                                                         concurrency=a.concurrency))
+                    runs.append({"seed": seed, "workload": name, "policy": policy,
+                                 "wall_s": wall, "results": results_json(res)})
+                    print(f"real {name} {policy} seed {seed}: wall {wall:.1f}s", flush=True)
+    finally:
+        stop_local()
+    return {"base": asdict(base), "runs": runs}
 
 
 def main() -> None:
@@ -37,6 +67,9 @@ def main() -> None:
     ap.add_argument("--fit-seed", type=int, default=0,
                     help="seed of the runs the coefficients are fitted from (not scored)")
     ap.add_argument("--out", default="bench/results/fidelity")
+    ap.add_argument("--runs", help="runs.json of an earlier invocation: no real runs")
+    ap.add_argument("--policies", default="affinity,round_robin",
+                    help="policies run and simulated on the validation seeds")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -48,35 +81,34 @@ def main() -> None:
                                          seed=seed),
                 "doc_chat": doc_chat(conversations=12, turns=4, seed=seed)}
 
-    url, startup = start_local(a.port)
-    print(f"local deployment up in {startup:.1f}s")
+    if a.runs:
+        saved = json.loads(Path(a.runs).read_text())
+    else:
+        saved = real_runs(a, workloads)
+        (out / "runs.json").write_text(json.dumps(saved))
+    base = EngineModel(**saved["base"])
     runs = []
-    try:
-        base = base_model(url, {"max_num_batched_tokens": 2048, "max_num_seqs": 32})
-        for seed in [a.fit_seed] + [int(s) for s in a.seeds.split(",")]:
-            for name, wl in workloads(seed).items():
-                httpx.post(f"{url}/admin/reset", json={"policy": "affinity"},
-                           timeout=60).raise_for_status()
-                res, wall = asyncio.run(run_workload(url, "smollm2", wl,
-                                                     concurrency=a.concurrency))
-                runs.append((seed, name, wl, res, _score(res, wall, wl, tok, base.block_size)))
-                print(f"real {name} seed {seed}: {runs[-1][4]['hit_vs_block_oracle']:.3f} "
-                      f"of oracle, wall {wall:.1f}s", flush=True)
-    finally:
-        stop_local()
-    fit_runs = [r for s, _, _, res, _ in runs if s == a.fit_seed for r in res]
-    model = fit_engine_model(fit_runs, base)
+    for run in saved["runs"]:
+        wl = workloads(run["seed"])[run["workload"]]
+        res = results_from_json(run["results"])
+        runs.append((run["seed"], run["workload"], run.get("policy", "affinity"), wl, res,
+                     _score(res, run["wall_s"], wl, tok, base.block_size)))
+    fit = [(res, trace_from_run(res, wl, tok, base.block_size), real["wall_s"])
+           for s, _, policy, wl, res, real in runs if s == a.fit_seed and policy == "affinity"]
+    first = fit_engine_model([r for res, _, _ in fit for r in res], base)
+    model = calibrate([case_of(res, tr, wall, a.concurrency, 2) for res, tr, wall in fit],
+                      first)
     model.save(out / "engine_model.json")
-    print("fitted:", asdict(model))
+    print("least squares:", asdict(first))
+    print("calibrated:", asdict(model))
     rows = []
-    for seed, name, wl, res, real in runs:
+    for seed, name, policy, wl, res, real in runs:
         if seed == a.fit_seed:
             continue
         trace = trace_from_run(res, wl, tok, model.block_size)
-        sim = simulate(trace, 2, "affinity", model, index="events",
-                       concurrency=a.concurrency)
+        sim = simulate(trace, 2, policy, model, index="events", concurrency=a.concurrency)
         later = sorted(r.ttft_s for r in res if r.status == 200 and r.turn > 0)
-        rows.append({"workload": name, "seed": seed,
+        rows.append({"workload": name, "seed": seed, "policy": policy,
                      "real_hit_vs_oracle": real["hit_vs_block_oracle"],
                      "sim_hit_vs_oracle": sim.hit_vs_oracle,
                      "real_ttft_p50_s": real["ttft_p50_s"], "sim_ttft_p50_s": sim.ttft_p50_s,
@@ -84,11 +116,11 @@ def main() -> None:
                      "real_later_ttft_p90_s": _pct(later, 0.9),
                      "sim_later_ttft_p90_s": sim.later_ttft_p90_s,
                      "real_wall_s": real["wall_s"], "sim_wall_s": sim.sim_wall_s})
-    lines = ["| workload | seed | hit/oracle real | sim | TTFT p50 real s | sim | ratio "
-             "| TTFT p90 real s | sim | ratio | wall real s | sim |", "|" + "---|" * 12]
+    lines = ["| workload | policy | seed | hit/oracle real | sim | TTFT p50 real s | sim | "
+             "ratio | TTFT p90 real s | sim | ratio | wall real s | sim |", "|" + "---|" * 13]
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['seed']} | {r['real_hit_vs_oracle']:.3f} | "
+            f"| {r['workload']} | {r['policy']} | {r['seed']} | {r['real_hit_vs_oracle']:.3f} | "
             f"{r['sim_hit_vs_oracle']:.3f} | {r['real_ttft_p50_s']:.2f} | "
             f"{r['sim_ttft_p50_s']:.2f} | {r['sim_ttft_p50_s'] / r['real_ttft_p50_s']:.2f} | "
             f"{r['real_ttft_p90_s']:.2f} | {r['sim_ttft_p90_s']:.2f} | "

@@ -95,7 +95,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
                        a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
-            write_engine_model(a, url, raw)
+            if "affinity" in policies and a.rate is None:
+                write_engine_model(a, url, raw, workloads, tok)
         for n in [int(x) for x in (a.ingress or "").split(",") if x]:
             if a.target is not None:
                 raise SystemExit("--ingress redeploys the router: only with the local deployment")
@@ -122,28 +123,49 @@ def cmd_bench(a: argparse.Namespace) -> int:
     return 0
 
 
-def write_engine_model(a: argparse.Namespace, url: str, raw: dict) -> None:
-    """The simulator's engine coefficients fitted from this run's affinity requests
+def write_engine_model(a: argparse.Namespace, url: str, raw: dict, workloads: dict,
+                       tokenizer) -> None:
+    """The simulator's engine coefficients fitted to this run's first affinity run of each
+    workload and calibrated by replaying those runs in the simulator
     (`rayattn simulate --engine-model <out>/engine_model.json`)."""
     import yaml
 
-    from rayattn.bench.fit import base_model, fit_engine_model, results_from_json
+    from rayattn.bench.fit import (
+        base_model,
+        calibrate,
+        case_of,
+        fit_engine_model,
+        results_from_json,
+    )
+    from rayattn.bench.simulate import trace_from_run
     from rayattn.config.loader import rayattn_apps
 
-    rows = [r for k, v in raw.items() if k.split("/", 1)[1].startswith("rayattn affinity")
-            for r in v]
-    if len(rows) < 8:
-        return
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
+    base = base_model(url, cfg.engine.model_dump())
+    cases, rows = [], []
+    for wname, wl in workloads.items():
+        res = results_from_json([r for r in raw.get(f"{wname}/rayattn affinity", [])
+                                 if r["run"] == 0])
+        if not res:
+            continue
+        rows += res
+        wall = max(r.start_s + r.e2e_s for r in res) - min(r.start_s for r in res)
+        trace = trace_from_run(res, wl, tokenizer, base.block_size)
+        cases.append(case_of(res, trace, wall, a.concurrency, len(_engines_up(url))))
     try:
-        model = fit_engine_model(results_from_json(rows),
-                                 base_model(url, cfg.engine.model_dump()))
+        model = calibrate(cases, fit_engine_model(rows, base))
     except ValueError as e:
         print(f"engine model not fitted: {e}")
         return
     Path(a.out).mkdir(parents=True, exist_ok=True)
     model.save(Path(a.out) / "engine_model.json")
     print(f"simulator coefficients fitted from this run: {Path(a.out) / 'engine_model.json'}")
+
+
+def _engines_up(url: str) -> list[str]:
+    import httpx
+
+    return httpx.get(f"{url}/health", timeout=10).json()["replicas_up"]
 
 
 def deploy_router(config: str, replicas: int, settings: dict) -> None:

@@ -8,11 +8,16 @@ Engine model (one replica), a step loop like vLLM's scheduler:
   * every step runs all running sequences' next token plus prompt chunks from the waiting
     queue (FIFO) up to `max_batched_tokens`, at most `max_seqs` sequences;
   * a step takes itl_base_s + itl_per_seq_s × decodes + prefill_s_per_token × prompt
-    tokens computed + ctx_s_per_token × cached tokens the new prompts attend to;
+    tokens computed + ctx_s_per_token × cached tokens the new prompts attend to +
+    attn_s_per_token_pair × Σ over prompt chunks of (tokens computed × tokens before them)
+    (attention of the new tokens over their context: what makes a long extend slower than
+    a short one with the same number of new tokens);
   * a prompt's cache hit is decided when it is first scheduled, by the replica's block LRU
     (bounded by its KV capacity), with vLLM's rule (whole blocks, never the last token);
     its blocks are cached once its prefill completes, prompt + output when it finishes.
-`hop_s` is added to every first token (router, proxy and streaming hops).
+Before a request reaches the engine's waiting queue, the engine replica renders and
+tokenizes it again, one request at a time, `frontend_s` each; `hop_s` is added to every
+first token (router, proxy and streaming hops).
 
 Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
 from the command line (docs/gpu.md has the H200 ones).
@@ -64,6 +69,8 @@ class EngineModel:
     max_batched_tokens: int = 2048
     max_seqs: int = 64
     hop_s: float = 0.0
+    attn_s_per_token_pair: float = 0.0
+    frontend_s: float = 0.0
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -95,6 +102,12 @@ class SimResult:
     wall_s: float
     """Real time the simulation took."""
     per_replica: dict[str, int] = field(default_factory=dict)
+    engine_prefill_p50_s: float = 0.0
+    """Scheduled → first token on the engine (vLLM's prefill time)."""
+    engine_itl_p50_s: float = 0.0
+    learned: dict[str, float] = field(default_factory=dict)
+    """The first router's cost model at the end (affinity refits it from simulated engine
+    timings, as it does from real ones)."""
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -124,6 +137,10 @@ class _Engine:
         self.waiting: deque[_Seq] = deque()
         self.running: list[_Seq] = []
         self.busy = False
+        self.pairs = 0.0
+        """This step's Σ tokens computed × tokens before them."""
+        self.frontend_free = 0.0
+        """When the replica's frontend (rendering, tokenizing) is free for the next."""
 
     def step(self, now: float) -> tuple[float, list[_Seq], list[_Seq]]:
         """Run one step from `now`: (its end, sequences that got their first token,
@@ -132,33 +149,34 @@ class _Engine:
         decodes = [s for s in self.running if s.left == 0]
         budget = m.max_batched_tokens - len(decodes)
         prefill_tokens = ctx_tokens = 0
-        chunked: list[_Seq] = [s for s in self.running if s.left > 0]
-        for s in chunked:  # prompts already partly computed go first
-            take = min(s.left, max(budget, 0))
-            s.left -= take
-            budget -= take
-            prefill_tokens += take
+        self.pairs = 0.0
+        chunked: list[_Seq] = []
+        for s in [s for s in self.running if s.left > 0]:  # partly computed prompts first
+            prefill_tokens += self._schedule(s, budget)
+            budget = m.max_batched_tokens - len(decodes) - prefill_tokens
+            chunked.append(s)
         while self.waiting and budget > 0 and len(self.running) < m.max_seqs:
             s = self.waiting.popleft()
+            # The hit is decided when the prompt is first scheduled, on what is cached then
+            # (including blocks of prompts scheduled earlier in this same step: vLLM
+            # registers a block when it allocates it for computing).
             matched = self.truth.match(s.req.keys).get(self.name, 0)
             s.cached = cached_tokens(s.req.prompt_tokens, matched, m.block_size)
             s.scheduled_ts = now
             s.left = s.req.prompt_tokens - s.cached
             ctx_tokens += s.cached
-            take = min(s.left, budget)
-            s.left -= take
-            budget -= take
-            prefill_tokens += take
+            prefill_tokens += self._schedule(s, budget)
+            budget = m.max_batched_tokens - len(decodes) - prefill_tokens
             self.running.append(s)
             chunked.append(s)
         dt = (m.itl_base_s + m.itl_per_seq_s * len(decodes)
-              + m.prefill_s_per_token * prefill_tokens + m.ctx_s_per_token * ctx_tokens)
+              + m.prefill_s_per_token * prefill_tokens + m.ctx_s_per_token * ctx_tokens
+              + m.attn_s_per_token_pair * self.pairs)
         end = now + dt
         first = [s for s in chunked if s.left == 0]
         for s in first:
             s.first_token_ts = end
             s.outputs = 1
-            self.truth.insert(self.name, s.req.keys)
         for s in decodes:
             s.outputs += 1
         done = [s for s in first + decodes if s.outputs >= s.req.output_tokens]
@@ -166,6 +184,16 @@ class _Engine:
             self.running.remove(s)
             self.truth.insert(self.name, s.req.output_keys)
         return end, first, done
+
+    def _schedule(self, s: _Seq, budget: int) -> int:
+        """Compute up to `budget` more of `s`'s prompt this step; its full blocks so far are
+        cached from now on. Returns the tokens taken."""
+        take = min(s.left, max(budget, 0))
+        before = s.req.prompt_tokens - s.left
+        s.left -= take
+        self.pairs += take * (before + take / 2)
+        self.truth.insert(self.name, s.req.keys[:(before + take) // self.m.block_size])
+        return take
 
 
 def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineModel,
@@ -198,7 +226,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     if views:
         _forward_stores(truth, views)
 
-    # (time, seq, kind, payload): kind 0 arrival (payload request index), 1 engine step end
+    # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
+    # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq)
     events: list[tuple[float, int, int, object]] = []
     counter = 0
 
@@ -222,6 +251,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     next_turn = {idxs[k]: idxs[k + 1] for idxs in convs.values() for k in range(len(idxs) - 1)}
 
     ttfts: dict[int, float] = {}
+    prefills: list[float] = []
+    itls: list[float] = []
     hits = prompt_total = oracle_hits = 0
     seen_blocks: set[int] = set()
     per_replica: dict[str, int] = defaultdict(int)
@@ -269,8 +300,15 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             per_replica[d.replica] += 1
             inflight[d.replica] += 1
             running_by[d.replica][str(rt)] += 1
+            # The engine replica renders requests one at a time (one Python event loop).
             eng = engines[d.replica]
-            eng.waiting.append(_Seq(i, req, rt, d, route, t))
+            eng.frontend_free = max(t, eng.frontend_free) + model.frontend_s
+            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, t))
+            continue
+        if kind == 2:  # the request reaches its engine's waiting queue
+            seq_ = payload
+            eng = engines[seq_.decision.replica]  # type: ignore[attr-defined]
+            eng.waiting.append(seq_)  # type: ignore[arg-type]
             if not eng.busy:
                 eng.busy = True
                 push(t, 1, eng.name)
@@ -282,6 +320,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         step_end, first, done = eng.step(t)
         for s in first:
             ttfts[s.i] = s.first_token_ts - s.arrived + model.hop_s
+            prefills.append(s.first_token_ts - s.scheduled_ts)
             cores[s.router].first_token(s.decision)  # type: ignore[arg-type]
             hits += s.cached
             prompt_total += s.req.prompt_tokens
@@ -291,6 +330,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                    if s.req.output_tokens > 1 else None)
             timings = {"scheduled_ts": s.scheduled_ts, "first_token_ts": s.first_token_ts,
                        "itl_s": itl}
+            if itl is not None:
+                itls.append(itl)
             core.finished(s.decision, s.route, Finished(  # type: ignore[arg-type]
                 s.req.prompt_tokens, s.cached, timings=timings,
                 continuation_keys=s.req.output_keys))
@@ -317,7 +358,16 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                      _pct(all_t, 0.9), _pct(all_t, 0.99), _pct(later, 0.5), _pct(later, 0.9),
                      max(per_replica.values()) / n if n else 0,
                      max(areas) / mean_area if mean_area else 0, end_t,
-                     time.perf_counter() - t_wall, dict(per_replica))
+                     time.perf_counter() - t_wall, dict(per_replica),
+                     _pct(sorted(prefills), 0.5), _pct(sorted(itls), 0.5), _learned(cores[0]))
+
+
+def _learned(core: RoutingCore) -> dict[str, float]:
+    cost = getattr(core.policy, "cost", None)
+    if cost is None:
+        return {}
+    return {"prefill_s_per_token": cost.prefill_s_per_token,
+            "decode_s_per_request": cost.decode_s_per_request}
 
 
 def _forward_stores(truth: PrefixIndex, views: list[EventIndex]) -> None:

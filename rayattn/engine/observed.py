@@ -110,6 +110,6 @@ def timings(out: Any, start: float, first: float | None, generated: int) -> dict
     return {"ttft_s": ttft, "prefill_s": prefill, "queue_s": queue, "e2e_s": now - start,
             "itl_s": itl, "path": "extend" if out.num_cached_tokens else "prefill",
             # The prefill's span on the engine core's clock, so routers can measure the
-            # engine's throughput over overlapping requests (routing/policies.py).
+            # engine's throughput over overlapping requests (routing/policies/cost_model.py).
             "scheduled_ts": getattr(m, "scheduled_ts", 0.0) or 0.0,
             "first_token_ts": getattr(m, "first_token_ts", 0.0) or 0.0}

@@ -51,7 +51,9 @@ def test_bench_smoke_and_simulator_agrees(server, tmp_path, reset):
     blocks = min(e["kv_blocks"] for e in
                  httpx.get(f"{server}/health").json()["engines"].values())
     trace = trace_from_run([r for r in res if isinstance(r, Result)], wl, tok, 32)
-    sim = simulate(trace, 2, "affinity", EngineModel(capacity_blocks=blocks, block_size=32))
+    # Closed loop at the run's concurrency, the router following the engines' events.
+    sim = simulate(trace, 2, "affinity", EngineModel(capacity_blocks=blocks, block_size=32),
+                   index="events", concurrency=2)
     print(f"\nreal hit rate {real:.3f}, simulated {sim.hit_rate:.3f}")
     assert abs(sim.hit_rate - real) <= 0.05
 
