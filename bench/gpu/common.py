@@ -119,7 +119,10 @@ class RayattnApp:
 
         h = serve.get_deployment_handle(ENGINE_DEPLOYMENT, app_name="rayattn")
         names = httpx.get(f"{self.url}/health", timeout=30).json()["replicas_up"]
-        infos = [h.info.remote(n).result(timeout_s=120) for n in names]
+        from dataclasses import asdict
+
+        # EngineInfo dataclasses, as the JSON-ready dicts the reports keep.
+        infos = [asdict(h.info.remote(n).result(timeout_s=120)) for n in names]
         return sorted(infos, key=lambda i: i["rank"])
 
     def scrape(self) -> str:

@@ -62,7 +62,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
     from rayattn.bench.report import write_run
-    from rayattn.bench.workloads import long_doc_qa, mix, multi_turn, shared_prefix
+    from rayattn.bench.workloads import (
+        agent_loop,
+        doc_chat,
+        long_doc_qa,
+        mix,
+        multi_turn,
+        shared_prefix,
+    )
     from rayattn.models.embedded import resolve_embedded
 
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
@@ -70,6 +77,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
               "multi_turn": multi_turn(conversations=a.conversations, turns=a.turns,
                                        shared_systems=a.shared_systems,
                                        system_words=a.system_words, seed=a.seed),
+              "doc_chat": doc_chat(conversations=a.conversations, turns=a.turns,
+                                   doc_words=a.doc_words, seed=a.seed),
+              "agent_loop": agent_loop(sessions=a.conversations, turns=a.turns + 2,
+                                       seed=a.seed),
               "long_doc_qa": long_doc_qa(seed=a.seed), "mix": mix(seed=a.seed)}
     workloads = {k: v for k, v in wl_all.items() if k in a.workload.split(",")}
     tok = AutoTokenizer.from_pretrained(a.tokenizer or
@@ -94,8 +105,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
             policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
-                       a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
-            if "affinity" in policies and a.rate is None:
+                       a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
+            if "affinity" in policies and a.rate is None:  # not with --index (affinity@…)
                 write_engine_model(a, url, raw, workloads, tok)
         for n in [int(x) for x in (a.ingress or "").split(",") if x]:
             if a.target is not None:
@@ -112,7 +123,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
             run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
                        on_n_routers, a.concurrency, a.block_size, tok, a.runs, a.rate, table,
-                       raw)
+                       raw, a.think_s)
         if a.target is None and a.peer:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
     if a.peer:
@@ -227,30 +238,28 @@ def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict
             stack.reset_caches()
 
         run_matrix("vllm-router", stack.url, a.model, workloads, a.peer_policies.split(","),
-                   prepare, a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw)
+                   prepare, a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
     finally:
         stack.stop()
 
 
-def _score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
+def score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
+    """A run's summary, its hit rate against the trace's oracle, later turns' TTFT."""
     from rayattn.bench.driver import oracle, summarize
+    from rayattn.bench.stats import percentile
 
     s = summarize(res, wall)
     s.update(oracle(res, wl, tokenizer, block_size))
     s["hit_vs_block_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
     s["hit_vs_token_oracle"] = s["hit_rate"] / max(s["oracle_token_hit_rate"], 1e-9)
     later = [r for r in res if r.status == 200 and r.turn > 0]
-    s["later_ttft_p90_s"] = _pct(sorted(r.ttft_s for r in later), 0.9)
+    s["later_ttft_p90_s"] = percentile(sorted(r.ttft_s for r in later), 0.9)
     return s
-
-
-def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
 
 
 def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list[str],
                prepare, concurrency: int, block_size: int, tokenizer, runs: int,
-               rate: float | None, table: dict, raw: dict) -> None:
+               rate: float | None, table: dict, raw: dict, think_s: float = 0.0) -> None:
     """Every policy on every workload, `runs` times (interleaved, so drift hits all alike);
     `prepare(policy)` puts the stack in that policy with cold caches."""
     import statistics
@@ -263,15 +272,17 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
             for pol in policies:
                 prepare(pol)
                 res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
-                                                     rate=rate, progress=True))
-                s = _score(res, wall, wl, tokenizer, block_size)
+                                                     rate=rate, progress=True,
+                                                     think_s=think_s))
+                s = score(res, wall, wl, tokenizer, block_size)
                 per[pol].append(s)
                 raw.setdefault(f"{wname}/{label} {pol}", []).extend(
                     {**r, "run": run} for r in results_json(res))
                 print(f"{wname:14s} {label:11s} {pol:19s} run {run}: "
                       f"hit/oracle={s['hit_vs_block_oracle']:.3f} wall={wall:.1f}s "
                       f"ttft p50={s['ttft_p50_s']:.3f} p90={s['ttft_p90_s']:.3f} "
-                      f"later p90={s['later_ttft_p90_s']:.3f} ok={s['ok']}/{s['requests']}",
+                      f"later p90={s['later_ttft_p90_s']:.3f} ok={s['ok']}/{s['requests']} "
+                      f"moves={s['moves']} regret={s['regret_tokens']}",  # None: a peer
                       flush=True)
         for pol, ss in per.items():
             row = dict(ss[len(ss) // 2])  # one run's details; the figures below are medians
@@ -311,16 +322,6 @@ def cmd_simulate(a: argparse.Namespace) -> int:
 
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    if a.workload == "shared_prefix":
-        per_group = max(1, a.requests // a.groups)
-        trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,
-                                    a.output_tokens, a.rate, a.block_size, a.seed)
-    else:
-        trace = multi_turn_trace(a.requests // a.turns, a.turns, a.groups, a.system_tokens,
-                                 a.question_tokens, a.output_tokens, a.rate,
-                                 think_s=a.think_s, block_size=a.block_size, seed=a.seed,
-                                 document_tokens=a.document_tokens
-                                 if a.workload == "doc_chat" else 0)
     if a.engine_model:
         # Coefficients fitted from a real run (`rayattn bench` writes engine_model.json).
         model = EngineModel.load(a.engine_model)
@@ -328,12 +329,24 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     else:
         model = EngineModel(a.prefill_s_per_token, a.ctx_s_per_token, a.itl_base_s,
                             a.itl_per_seq_s, a.capacity_blocks, a.block_size)
+    if a.workload == "shared_prefix":
+        per_group = max(1, a.requests // a.groups)
+        trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,
+                                    a.output_tokens, a.rate, a.block_size, a.seed)
+    else:
+        trace = multi_turn_trace(a.requests // a.turns, a.turns, a.groups, a.system_tokens,
+                                 a.question_tokens, a.output_tokens, a.rate,
+                                 think_s=5.0 if a.think_s is None else a.think_s,
+                                 block_size=a.block_size, seed=a.seed,
+                                 document_tokens=a.document_tokens
+                                 if a.workload == "doc_chat" else 0)
     rows = []
     for pol in a.policies.split(","):
         for index in a.index.split(","):
             for routers in [int(x) for x in a.routers.split(",")]:
                 r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
-                             index=index, concurrency=a.concurrency, think_s=a.think_s)
+                             index=index, concurrency=a.concurrency,
+                             think_s=a.think_s or 0.0)
                 d = asdict(r)
                 d.pop("per_replica")
                 d["index"] = index
@@ -341,6 +354,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                 print(f"{pol:13s} index={index:9s} routers={routers} hit={r.hit_rate:.3f} oracle="
                   f"{r.oracle_hit_rate:.3f} ttft p50={r.ttft_p50_s:.3f} p90={r.ttft_p90_s:.3f} "
                       f"p99={r.ttft_p99_s:.3f} imbalance={r.load_imbalance:.2f} "
+                      f"moves={r.session_moves} regret={r.regret_tokens} "
                       f"({r.wall_s:.1f}s)", flush=True)
     name = f"sim_{a.workload}_{a.replicas}r"
     (out / f"{name}.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2,
@@ -362,7 +376,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--model", default="smollm2")
     b.add_argument("--tokenizer", help="tokenizer path for the oracle (default: SmolLM2)")
     b.add_argument("--workload", default="shared_prefix,multi_turn",
-                   help="comma list of shared_prefix, multi_turn, long_doc_qa, mix")
+                   help="comma list of shared_prefix, multi_turn, doc_chat, agent_loop, "
+                        "long_doc_qa, mix")
+    b.add_argument("--think-s", type=float, default=0.0,
+                   help="closed loop: a uniform 0..think_s pause before a conversation's "
+                        "next turn")
+    b.add_argument("--doc-words", type=int, default=500,
+                   help="doc_chat: words of each conversation's own document")
     b.add_argument("--rate", type=float, default=None,
                    help="open loop: Poisson conversation arrivals per second "
                         "(default: closed loop at --concurrency)")
@@ -401,8 +421,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                           "(replaces the coefficient flags)")
     s.add_argument("--concurrency", type=int, default=None,
                    help="closed loop: conversations at a time (default: open loop at --rate)")
-    s.add_argument("--think-s", type=float, default=0.0,
-                   help="pause between a conversation's answer and its next turn")
+    s.add_argument("--think-s", type=float, default=None,
+                   help="pause between a conversation's answer and its next turn (closed "
+                        "loop: uniform 0..think_s, default 0; open loop: think_s + Exp(1), "
+                        "default 5)")
     s.add_argument("--document-tokens", type=int, default=2048,
                    help="doc_chat: each conversation's own document")
     s.add_argument("--policies", default=",".join(POLICIES))

@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 
+from rayattn.bench.stats import percentile
 from rayattn.bench.workloads import Conversation, Workload
 
 
@@ -45,6 +46,10 @@ class Result:
     """The router's in-flight estimate per candidate at the decision ("engine-0:3 …")."""
     costs: str = ""
     """The policy's predicted cost (s) per candidate, where it has a cost model."""
+    moved_from: str | None = None
+    """The replica of this conversation's previous turn, when the router chose another."""
+    regret_tokens: int = 0
+    """Tokens another replica held beyond the chosen one's, when the router chose."""
 
 
 async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[dict],
@@ -81,7 +86,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   engine_prefill_s=ext.get("engine_prefill_s"),
                   engine_queue_s=ext.get("engine_queue_s"),
                   engine_itl_s=ext.get("engine_itl_s"), router_s=ext.get("router_s"),
-                  loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")))
+                  loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")),
+                  moved_from=ext.get("moved_from"), regret_tokens=ext.get("regret_tokens") or 0)
 
 
 def _pairs(d: dict[str, Any] | None) -> str:
@@ -90,9 +96,11 @@ def _pairs(d: dict[str, Any] | None) -> str:
 
 async def run_workload(url: str | list[str], model: str, workload: Workload,
                        concurrency: int = 8, timeout: float = 300, rate: float | None = None,
-                       seed: int = 0, progress: bool = False) -> tuple[list[Result], float]:
+                       seed: int = 0, progress: bool = False,
+                       think_s: float = 0.0) -> tuple[list[Result], float]:
     """Closed loop: conversations run concurrently (up to `concurrency`), turns of one in
-    order. Open loop (`rate` req/s): conversations start as a Poisson process instead.
+    order, each next turn a uniform 0..`think_s` after the previous answer (a user reading,
+    a tool running). Open loop (`rate` req/s): conversations start as a Poisson process.
     Several URLs (independent routers): turn t of every conversation goes to url[t % n]."""
     urls = [url] if isinstance(url, str) else list(url)
     sem = asyncio.Semaphore(concurrency if rate is None else 10**6)
@@ -109,6 +117,9 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
         await asyncio.sleep(max(0.0, start - (time.monotonic() - t_origin)))
         async with sem:
             messages = [{"role": "system", "content": c.system}]
+            # Each conversation's own pauses: the same in every run, whatever the order in
+            # which conversations finish.
+            pause = random.Random(f"{seed}:{c.session}")
             for t, user in enumerate(c.turns):
                 messages.append({"role": "user", "content": user})
                 res = await _one(client, urls[t % len(urls)], model, list(messages), c, t,
@@ -119,6 +130,8 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
                     done = len(results)
                     print(f"\r  {done}/{workload.num_requests} requests", end="", flush=True)
                 messages.append({"role": "assistant", "content": res.output_text})
+                if think_s and t + 1 < len(c.turns):
+                    await asyncio.sleep(pause.uniform(0, think_s))
 
     limits = httpx.Limits(max_connections=concurrency * 2)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
@@ -179,22 +192,25 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200]
     ttfts = sorted(r.ttft_s for r in ok)
 
-    def pct(p: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else float("nan")
 
     per_replica: dict[str, int] = {}
     for r in ok:
         per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
     prompt = sum(r.prompt_tokens for r in ok)
+    ours = any(r.predicted_cached_tokens >= 0 for r in ok)  # a rayattn endpoint answered
     return {
         "requests": len(results), "ok": len(ok),
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else 0.0,
-        "ttft_p50_s": pct(0.5), "ttft_p90_s": pct(0.9),
+        "ttft_p50_s": percentile(ttfts, 0.5), "ttft_p90_s": percentile(ttfts, 0.9),
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "req_per_s": len(ok) / wall_s if wall_s else 0.0, "wall_s": wall_s,
         "per_replica": per_replica,
         "max_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
         "paths": {p: sum(1 for r in ok if r.path == p) for p in ("prefill", "extend")},
+        # The router's own account (rayattn only): conversations it moved, and tokens it
+        # sent to be recomputed although another replica held them.
+        "moves": sum(1 for r in ok if r.moved_from) if ours else None,
+        "regret_tokens": sum(r.regret_tokens for r in ok) if ours else None,
     }
 
 

@@ -9,7 +9,8 @@ coefficients until the simulated run matches the real one's engine-side TTFT and
 `hop_s` (router, proxy, streaming) is measured directly: the median of client TTFT minus
 engine TTFT; `frontend_s` (the engine replica's own rendering before vLLM queues the
 request) starts from the lower quartile of engine TTFT minus vLLM's queue and prefill times
-and is calibrated with the rest. Validate on other seeds than the ones calibrated on (bench/sim_fidelity.py).
+and is calibrated with the rest. Validate on other seeds than the ones calibrated on
+(bench/sim_fidelity.py).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, replace
 
 from rayattn.bench.driver import Result
 from rayattn.bench.simulate import EngineModel, SimRequest, simulate
+from rayattn.bench.stats import percentile
 
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
@@ -114,20 +116,17 @@ class Case:
     engine_prefill_p50_s: float
     engine_itl_p50_s: float
     wall_s: float
+    think_s: float = 0.0
 
 
 def case_of(results: list[Result], trace: list[SimRequest], wall_s: float,
-            concurrency: int, replicas: int) -> Case:
+            concurrency: int, replicas: int, think_s: float = 0.0) -> Case:
     ok = [r for r in results if r.status == 200 and r.engine_ttft_s is not None]
     ttft = sorted(r.engine_ttft_s for r in ok)  # type: ignore[misc]
     prefill = sorted(r.engine_prefill_s or 0.0 for r in ok)
     itl = sorted(r.engine_itl_s for r in ok if r.engine_itl_s)
-    return Case(trace, concurrency, replicas, _pct(ttft, 0.5), _pct(ttft, 0.9),
-                _pct(prefill, 0.5), _pct(itl, 0.5), wall_s)
-
-
-def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+    return Case(trace, concurrency, replicas, percentile(ttft, 0.5), percentile(ttft, 0.9),
+                percentile(prefill, 0.5), percentile(itl, 0.5), wall_s)
 
 
 _CALIBRATED = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
@@ -150,13 +149,14 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
         total = 0.0
         for c in cases:
             r = simulate(c.trace, c.replicas, policy, m, index="events",
-                         concurrency=c.concurrency)
+                         concurrency=c.concurrency, think_s=c.think_s)
             for sim, real in ((r.ttft_p50_s - m.hop_s, c.engine_ttft_p50_s),
                               (r.ttft_p90_s - m.hop_s, c.engine_ttft_p90_s),
                               (r.engine_prefill_p50_s, c.engine_prefill_p50_s),
                               (r.engine_itl_p50_s, c.engine_itl_p50_s),
                               (r.sim_wall_s, c.wall_s)):
-                total += math.log(max(sim, 1e-4) / max(real, 1e-4)) ** 2
+                if math.isfinite(real):  # a target the run has (no ITL without decodes)
+                    total += math.log(max(sim, 1e-4) / max(real, 1e-4)) ** 2
         return total
 
     best, best_loss = start, loss(start)

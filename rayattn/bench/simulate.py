@@ -36,11 +36,17 @@ import time
 from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
+from rayattn.bench.stats import percentile
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.core import Finished, RoutingCore
-from rayattn.routing.policies import RouteRequest, cached_tokens
+from rayattn.routing.policies import Decision, RouteRequest, cached_tokens
 from rayattn.routing.prefix_index import EventIndex, PrefixIndex
+
+if TYPE_CHECKING:
+    from rayattn.bench.driver import Result
+    from rayattn.bench.workloads import Workload
 
 
 @dataclass
@@ -102,6 +108,10 @@ class SimResult:
     wall_s: float
     """Real time the simulation took."""
     per_replica: dict[str, int] = field(default_factory=dict)
+    regret_tokens: int = 0
+    """Tokens recomputed that another replica held when the router chose (all routers)."""
+    session_moves: int = 0
+    """Conversations routed elsewhere than their previous turn."""
     engine_prefill_p50_s: float = 0.0
     """Scheduled → first token on the engine (vLLM's prefill time)."""
     engine_itl_p50_s: float = 0.0
@@ -119,7 +129,7 @@ class _Seq:
     i: int
     req: SimRequest
     router: int
-    decision: object
+    decision: Decision
     route: RouteRequest
     arrived: float
     left: int = 0
@@ -203,7 +213,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     """`index`: `predicted` (each router's own LRU guess and its own dispatch counts) or
     `events` (each router follows the engines' real caches and load counts, as with vLLM's
     KV events, delivered instantly here). `concurrency`: closed loop over the trace's
-    conversations (in order of first appearance); None: open loop on `arrival`."""
+    conversations (in order of first appearance), a conversation's next turn a uniform
+    0..`think_s` after its answer; None: open loop on `arrival`."""
     t_wall = time.perf_counter()
     names = [f"engine-{i}" for i in range(replicas)]
     settings = {**(router_cfg or RouterConfig()).model_dump(), "policy": policy,
@@ -236,6 +247,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         counter += 1
         heapq.heappush(events, (t, counter, kind, payload))
 
+    think = random.Random(seed)
     convs: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(trace):
         convs[r.session].append(i)
@@ -307,8 +319,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             continue
         if kind == 2:  # the request reaches its engine's waiting queue
             seq_ = payload
-            eng = engines[seq_.decision.replica]  # type: ignore[attr-defined]
-            eng.waiting.append(seq_)  # type: ignore[arg-type]
+            eng = engines[seq_.decision.replica]
+            eng.waiting.append(seq_)
             if not eng.busy:
                 eng.busy = True
                 push(t, 1, eng.name)
@@ -321,7 +333,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         for s in first:
             ttfts[s.i] = s.first_token_ts - s.arrived + model.hop_s
             prefills.append(s.first_token_ts - s.scheduled_ts)
-            cores[s.router].first_token(s.decision)  # type: ignore[arg-type]
+            cores[s.router].first_token(s.decision)
             hits += s.cached
             prompt_total += s.req.prompt_tokens
         for s in done:
@@ -332,34 +344,39 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                        "itl_s": itl}
             if itl is not None:
                 itls.append(itl)
-            core.finished(s.decision, s.route, Finished(  # type: ignore[arg-type]
+            core.finished(s.decision, s.route, Finished(
                 s.req.prompt_tokens, s.cached, timings=timings,
                 continuation_keys=s.req.output_keys))
-            core.ended(s.decision)  # type: ignore[arg-type]
+            core.ended(s.decision)
             inflight[eng.name] -= 1
             running_by[eng.name][str(s.router)] -= 1
             end_t = max(end_t, step_end + model.hop_s)
             if concurrency is not None:
                 nxt = next_turn.get(s.i)
                 if nxt is not None:
-                    push(step_end + model.hop_s + think_s, 0, nxt)
+                    push(step_end + model.hop_s + think.uniform(0, think_s), 0, nxt)
                 elif started < len(order):
                     push(step_end + model.hop_s, 0, convs[order[started]][0])
                     started += 1
         push(step_end, 1, eng.name)
 
+    def _p(xs: list[float], p: float) -> float:
+        return percentile(xs, p, empty=0.0)
+
     all_t = sorted(ttfts.values())
     later = sorted(v for i, v in ttfts.items() if trace[i].turn > 0)
-    n = len(trace)
+    n = len(ttfts)  # requests that got their first token (all of them, as it runs to the end)
     areas = list(inflight_area.values())
     mean_area = sum(areas) / len(areas)
     return SimResult(policy, replicas, routers, n, hits / prompt_total if prompt_total else 0,
-                     oracle_hits / prompt_total if prompt_total else 0, _pct(all_t, 0.5),
-                     _pct(all_t, 0.9), _pct(all_t, 0.99), _pct(later, 0.5), _pct(later, 0.9),
+                     oracle_hits / prompt_total if prompt_total else 0, _p(all_t, 0.5),
+                     _p(all_t, 0.9), _p(all_t, 0.99), _p(later, 0.5), _p(later, 0.9),
                      max(per_replica.values()) / n if n else 0,
                      max(areas) / mean_area if mean_area else 0, end_t,
                      time.perf_counter() - t_wall, dict(per_replica),
-                     _pct(sorted(prefills), 0.5), _pct(sorted(itls), 0.5), _learned(cores[0]))
+                     sum(sum(c.regret_tokens.values()) for c in cores),
+                     sum(sum(c.session_moves.values()) for c in cores),
+                     _p(sorted(prefills), 0.5), _p(sorted(itls), 0.5), _learned(cores[0]))
 
 
 def _learned(core: RoutingCore) -> dict[str, float]:
@@ -380,10 +397,6 @@ def _forward_stores(truth: PrefixIndex, views: list[EventIndex]) -> None:
             v.stored(replica, keys)
 
     truth.insert = insert_and_publish  # type: ignore[method-assign]
-
-
-def _pct(xs: list[float], p: float) -> float:
-    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else 0.0
 
 
 # --- synthetic traces (token-level, no tokenizer needed) ---------------------------------------
@@ -457,7 +470,8 @@ def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system
     return reqs
 
 
-def trace_from_run(results, workload, tokenizer, block_size: int) -> list[SimRequest]:
+def trace_from_run(results: list[Result], workload: Workload, tokenizer: Any,
+                   block_size: int) -> list[SimRequest]:
     """The exact requests of a real-engine run (templated prompts, outputs, turn order), in
     the order the run started them: for the closed-loop driver, conversations keep the
     workload's order, as the bench's driver takes them."""

@@ -73,6 +73,21 @@ def doc_chat(conversations: int = 16, turns: int = 4, doc_words: int = 500,
     return Workload("doc_chat", convs)
 
 
+def agent_loop(agents: int = 4, sessions: int = 32, turns: int = 6,
+               tool_prompt_words: int = 1200, result_words: int = 60, max_tokens: int = 32,
+               seed: int = 0) -> Workload:
+    """Agent sessions: a few agents, each with a long tool-and-instructions prompt shared by
+    its sessions; every turn appends a short tool result to a growing history."""
+    rng = random.Random(seed)
+    prompts = [f"Agent {a}. Tools and rules: " + _text(rng, tool_prompt_words)
+               for a in range(agents)]
+    convs = [Conversation(prompts[s % agents],
+                          [f"Tool result {t}: " + _text(rng, result_words) for t in range(turns)],
+                          f"agent{s % agents}-s{s}", max_tokens)
+             for s in range(sessions)]
+    return Workload("agent_loop", convs)
+
+
 def long_doc_qa(documents: int = 3, questions_per_doc: int = 10, doc_words: int = 900,
                 question_words: int = 15, max_tokens: int = 16, seed: int = 0) -> Workload:
     """A few long documents, many questions about each (questions of one document interleave
@@ -98,4 +113,5 @@ def mix(seed: int = 0) -> Workload:
 
 
 WORKLOADS = {"shared_prefix": shared_prefix, "multi_turn": multi_turn, "doc_chat": doc_chat,
+             "agent_loop": agent_loop,
              "long_doc_qa": long_doc_qa, "mix": mix}

@@ -200,8 +200,9 @@ class RouterConfig(_Strict):
     policy: str = "affinity"
     """How the ingress picks an engine replica: one of the policies registered in
     rayattn/routing/policies/ (`affinity`: predicted-TTFT cost over the engines' cached
-    blocks; `round_robin`; `power_of_two`: least in-flight of two random; `ray_prefix`: a
-    text prefix tree like Ray Serve LLM's PrefixCacheAffinityRouter, for comparison)."""
+    blocks; `round_robin`; `power_of_two`: least in-flight of two random; for comparison,
+    `sticky`: vllm-router's sticky_least_loaded, and `ray_prefix`: a text prefix tree like
+    Ray Serve LLM's PrefixCacheAffinityRouter)."""
     load_epsilon: float = Field(0.5, ge=0)
     """Bounded-load guard: no replica takes a request while its in-flight count exceeds the
     larger of (1 + ε) × m and m + `load_slack` (m = the mean in-flight, counting this

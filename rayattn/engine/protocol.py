@@ -81,6 +81,10 @@ class EngineInfo:
     engine_pids: list[int] = field(default_factory=list)
     devices: list[str | None] = field(default_factory=list)
     """GPU UUIDs, one per worker ([] on CPU)."""
+    placement_group: str | None = None
+    """The Ray placement group the replica runs in."""
+    worker_placement_groups: list[str | None] = field(default_factory=list)
+    """The placement group each engine worker runs in (TP/PP > 1: vLLM's Ray workers)."""
     unfinished: int = 0
     """Requests vLLM's output processor still holds."""
     inflight_by_origin: dict[str, int] = field(default_factory=dict)

@@ -120,6 +120,8 @@ class EngineReplica:
         self.rank = _serve_identity()[1]
         devices = await compat.engine_device_info(self)
         return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
+                          placement_group=devices["placement_group"],
+                          worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
                           **self._inflight_report())
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from ray.util import metrics as rm
 
 from rayattn.metrics.engine_metrics import LATENCY_BUCKETS
+from rayattn.routing.policies import Decision
 
 # Absolute token error; the `direction` label says whether the router over- or
 # under-predicted (Ray histograms take positive boundaries only).
@@ -44,6 +45,14 @@ class RouterMetrics:
         self.rejected = rm.Counter("rayattn_router_rejected_total",
                                    "Requests rejected (4xx/429/503) by status",
                                    tag_keys=(*keys, "status"))
+        self.regret = rm.Counter(
+            "rayattn_router_regret_tokens_total",
+            "Prompt tokens sent to be recomputed on one replica while another held them "
+            "cached when the decision was made, by decision reason", tag_keys=(*keys, "reason"))
+        self.moves = rm.Counter(
+            "rayattn_router_session_moves_total",
+            "Conversations routed elsewhere than their previous turn, by decision reason",
+            tag_keys=(*keys, "reason"))
         self.e2e = rm.Histogram("rayattn_router_request_seconds",
                                 "Request latency seen by the router", boundaries=LATENCY_BUCKETS,
                                 tag_keys=keys)
@@ -53,8 +62,14 @@ class RouterMetrics:
         switch)."""
         self.base = {**self.base, "policy": policy}
 
-    def decision(self, reason: str, target: str) -> None:
-        self.decisions.inc(1, {**self.base, "reason": reason, "target": target})
+    def decision(self, d: Decision) -> None:
+        """One routing decision (a routing.policies.Decision): its reason and target, and
+        the router's regret in it (tokens another replica held, a conversation moved)."""
+        self.decisions.inc(1, {**self.base, "reason": d.reason, "target": d.replica})
+        if d.regret_tokens > 0:
+            self.regret.inc(d.regret_tokens, {**self.base, "reason": d.reason})
+        if d.moved_from is not None:
+            self.moves.inc(1, {**self.base, "reason": d.reason})
 
     def outcome(self, predicted: int, actual: int, prompt: int, seconds: float) -> None:
         diff = actual - predicted

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import logging
 import time
+from array import array
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +32,13 @@ from rayattn.routing.prefix_index import EventIndex, PrefixIndex
 log = logging.getLogger("rayattn.router")
 
 INDEX_MODES = ("events", "predicted")
+
+# Token ids of recent conversations' last prompt (+ answer) the core keeps, so a next turn
+# hashes only its new blocks: 4-byte ids, 16M tokens = 64 MiB at most, however many
+# conversations (client-chosen session ids) and however long their contexts.
+KNOWN_PREFIX_TOKENS = 16 << 20
+# Conversations whose last replica the core remembers (a name each).
+LAST_REPLICAS = 100_000
 
 
 @dataclass
@@ -65,6 +74,10 @@ class CoreSnapshot:
     index_mode: str
     block_size: int
     routable: dict[str, ReplicaView]
+    regret_tokens: dict[str, int]
+    """By decision reason: tokens recomputed that another replica held (core.py)."""
+    session_moves: dict[str, int]
+    """By decision reason: conversations sent elsewhere than their previous turn."""
 
 
 class RoutingCore:
@@ -84,6 +97,15 @@ class RoutingCore:
         blocks."""
         self.index = self._new_index()
         self.policy = self._new_policy(self.settings["policy"])
+        self._prefixes: OrderedDict[str, tuple[array, list[bytes]]] = OrderedDict()
+        """Per conversation: the token ids it sent last and their full blocks' hashes."""
+        self._prefix_tokens = 0
+        self.hashed_blocks = 0
+        """Blocks hashed so far (a conversation's known prefix is not hashed again)."""
+        self._last_replica: OrderedDict[str, str] = OrderedDict()
+        """Where each recent conversation's previous turn went (bounded)."""
+        self.regret_tokens: Counter[str] = Counter()
+        self.session_moves: Counter[str] = Counter()
 
     @property
     def block_size(self) -> int:
@@ -108,8 +130,11 @@ class RoutingCore:
         return policies.build(name, ctx, self.settings)
 
     # --- membership ---------------------------------------------------------------------
-    def joined(self, name: str, block_size: int, capacity_blocks: int) -> bool:
-        """An engine replica is up. False when the router cannot route to it correctly."""
+    def joined(self, name: str, block_size: int, capacity_blocks: int,
+               device: str | None = None) -> bool:
+        """An engine replica is up. False when the router cannot route to it correctly.
+        `device`: what it computes on (GPU UUIDs); replicas naming the same one share its
+        throughput (routing/load.py)."""
         if block_size != self.block_size and not self.routable:
             # The engine is the authority on its block size (vLLM may override the configured
             # one for a backend): the first engine up sets what the router hashes.
@@ -117,6 +142,8 @@ class RoutingCore:
                         name, block_size, self.block_size, block_size)
             self.hasher = BlockHasher(block_size, *self._hash)
             self.policy = self._new_policy(self.policy.name)
+            self._prefixes.clear()  # hashed with the other block size
+            self._prefix_tokens = 0
         if block_size != self.block_size:
             # Hashing with another block size would predict hits that never happen.
             log.error("engine %s uses KV block size %d but the router hashes %d-token blocks "
@@ -126,6 +153,8 @@ class RoutingCore:
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
         self.routable[name] = capacity_blocks
+        if device:
+            self.load.device[name] = device
         return True
 
     def left(self, name: str) -> None:
@@ -144,15 +173,88 @@ class RoutingCore:
     # --- one request --------------------------------------------------------------------
     def request(self, token_ids: list[int], session: str | None = None,
                 text: str = "") -> RouteRequest:
-        hashes = self.hasher.full_hashes(token_ids)
+        """The routing view of a prompt: its block keys. A conversation's new turn extends
+        its previous prompt (and answer): only the blocks after what it shares with them
+        are hashed."""
+        known = self._known_hashes(token_ids, session) if session else []
+        hashes = self.hasher.full_hashes(token_ids, known)
+        self.hashed_blocks += len(hashes) - len(known)
+        if session:
+            self._remember(session, token_ids, hashes)
         keys = [to_key(h) for h in hashes]
         head = keys[0] if keys else hash(tuple(token_ids[: self.block_size]))
         return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids)
 
-    def choose(self, route: RouteRequest, candidates: list[str]) -> Decision:
+    def _known_hashes(self, token_ids: list[int], session: str) -> list[bytes]:
+        entry = self._prefixes.get(session)
+        if entry is None:
+            return []
+        ids, hashes = entry
+        bs = self.block_size
+        n = min(len(ids), len(token_ids)) // bs * bs
+        try:
+            if array("I", token_ids[:n]) == ids[:n]:
+                return hashes[: n // bs]
+        except OverflowError:  # not token ids this cache can hold
+            return []
+        # Diverged (an edited history, a re-tokenized answer): the blocks before the first
+        # differing one still hold, found by halving.
+        lo, hi = 0, n // bs
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if array("I", token_ids[: mid * bs]) == ids[: mid * bs]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return hashes[:lo]
+
+    def _remember(self, session: str, token_ids: list[int], hashes: list[bytes]) -> None:
+        try:
+            ids = array("I", token_ids)
+        except OverflowError:  # an id beyond 32 bits: nothing to keep
+            return
+        old = self._prefixes.pop(session, None)
+        if old is not None:
+            self._prefix_tokens -= len(old[0])
+        if len(ids) > KNOWN_PREFIX_TOKENS // 4:
+            return  # one conversation may not take the whole budget
+        self._prefixes[session] = (ids, hashes)
+        self._prefix_tokens += len(ids)
+        while self._prefix_tokens > KNOWN_PREFIX_TOKENS:
+            _, (dropped, _) = self._prefixes.popitem(last=False)
+            self._prefix_tokens -= len(dropped)
+
+    def choose(self, route: RouteRequest, candidates: list[str],
+               retry: bool = False) -> Decision:
+        """The replica for `route` among `candidates`. `retry`: an earlier attempt's replica
+        failed; this choice is not the router's to account as a move or a regret."""
+        if route.session:
+            last = self._last_replica.get(route.session)
+            route.previous = last if last in self.routable else None
         d = self.policy.choose(route, candidates)
         d.loads = {r: self.load.inflight[r] for r in candidates}
+        if not retry:
+            self._account(d, route, candidates)
+        if route.session:
+            self._last_replica[route.session] = d.replica
+            self._last_replica.move_to_end(route.session)
+            if len(self._last_replica) > LAST_REPLICAS:
+                self._last_replica.popitem(last=False)
         return d
+
+    def _account(self, d: Decision, route: RouteRequest, candidates: list[str]) -> None:
+        """The router's own regret, by the decision's reason: prompt tokens another
+        candidate held beyond the chosen one's, and conversations moved off the replica of
+        their previous turn while it was a candidate."""
+        matches = self.index.match(route.keys)
+        held = max((matches.get(r, 0) for r in candidates), default=0)
+        best = policies.cached_tokens(route.prompt_tokens, held, self.block_size)
+        d.regret_tokens = max(0, best - d.predicted_cached_tokens)
+        if d.regret_tokens:
+            self.regret_tokens[d.reason] += d.regret_tokens
+        if route.previous in candidates and route.previous != d.replica:
+            d.moved_from = route.previous
+            self.session_moves[d.reason] += 1
 
     def dispatched(self, d: Decision, route: RouteRequest) -> None:
         """The call to `d.replica` is being issued; `ended(d)` must follow, however it
@@ -176,16 +278,20 @@ class RoutingCore:
             return
         keys = done.continuation_keys
         if keys is None:
-            full = self.hasher.full_hashes(route.token_ids + done.output_ids[:-1],
-                                           route.block_hashes)
+            cached = route.token_ids + done.output_ids[:-1]
+            full = self.hasher.full_hashes(cached, route.block_hashes)
+            self.hashed_blocks += len(full) - len(route.block_hashes)
             keys = route.keys + [to_key(h) for h in full[len(route.block_hashes):]]
+            if route.session:
+                # The next turn starts with this prompt and, re-rendered, usually the answer.
+                self._remember(route.session, cached, full)
         self.policy.on_complete(d.replica, keys)
         self.policy.observe(d.replica, done.prompt_tokens - done.cached_tokens, done.timings,
                             self.load.inflight[d.replica])
 
     def ended(self, d: Decision) -> None:
         """The attempt is over (finished, failed or cancelled): its load is released, once
-        however many cleanup paths report it."""
+        however many cleanup paths report it (and not at all if it was never held)."""
         if d.in_flight:
             self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
             d.prefill_pending = d.in_flight = False
@@ -197,10 +303,11 @@ class RoutingCore:
         whether the index was replaced (the caller re-attaches its event feeds)."""
         old, new = self.settings, dict(settings)
         self.settings = new
-        index_changed = (old["index"], old["speculative_ttl_s"]) != \
-            (new["index"], new["speculative_ttl_s"])
+        index_changed = old["index"] != new["index"]
         if index_changed:
             self.index = self._new_index()
+        elif isinstance(self.index, EventIndex):
+            self.index.ttl_s = new["speculative_ttl_s"]  # for blocks sent from now on
         reads = policies.spec(new["policy"]).settings
         if index_changed or old["policy"] != new["policy"] or \
                 any(old[k] != new[k] for k in reads):
@@ -217,6 +324,9 @@ class RoutingCore:
             self.index.remove_replica(name)
             self.index.add_replica(name, capacity)
         self.policy = self._new_policy(self.settings["policy"])
+        self._last_replica.clear()
+        self.regret_tokens.clear()
+        self.session_moves.clear()
         return self.policy.name
 
     def snapshot(self) -> CoreSnapshot:
@@ -224,4 +334,4 @@ class RoutingCore:
             n: ReplicaView(self.load.inflight[n], self.load.local.get(n, 0),
                            self.load.pending_prefill.get(n, 0), self.index.size(n),
                            self.index.speculative(n))
-            for n in self.routable})
+            for n in self.routable}, dict(self.regret_tokens), dict(self.session_moves))

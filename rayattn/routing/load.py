@@ -35,6 +35,10 @@ class LoadTracker:
         self._stamps: dict[str, tuple[int, int]] = {}
         self._forgotten: set[str] = set()
         """Replicas that left while this router still had requests there."""
+        self.device: dict[str, str] = {}
+        """The device each replica computes on. Replicas on one device (two engines on one
+        GPU) share its throughput: work moved between them frees nothing, so their load
+        is counted together (`device_pending_prefill`, `device_inflight`)."""
         self.inflight = _Inflight(self)
 
     def reported(self, replica: str, by_origin: Mapping[str, int],
@@ -77,9 +81,23 @@ class LoadTracker:
         have its still-running requests forgotten."""
         self.others.pop(replica, None)
         self._stamps.pop(replica, None)
+        self.device.pop(replica, None)
         self._forgotten.add(replica)
         if self.local.get(replica, 0) == 0:
             self._drop(replica)
+
+    def device_pending_prefill(self, replica: str) -> int:
+        device = self.device.get(replica)
+        if device is None:
+            return self.pending_prefill.get(replica, 0)
+        return sum(self.pending_prefill.get(r, 0) for r, d in self.device.items()
+                   if d == device)
+
+    def device_inflight(self, replica: str) -> int:
+        device = self.device.get(replica)
+        if device is None:
+            return self.inflight[replica]
+        return sum(self.inflight[r] for r, d in self.device.items() if d == device)
 
     def imbalance(self, replicas: list[str]) -> float:
         """max / mean in-flight (1.0 = perfectly even; 0 when idle)."""

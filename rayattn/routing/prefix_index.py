@@ -10,11 +10,11 @@ finished request's blocks tail-first (tails are evicted first).
 from __future__ import annotations
 
 from collections import OrderedDict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 
 class PrefixIndex:
-    def __init__(self, on_evict=None) -> None:
+    def __init__(self, on_evict: Callable[[str, int], None] | None = None) -> None:
         self._on_evict = on_evict
         """Called with (replica, key) for every block the LRU bound evicts (the simulator
         turns these into BlockRemoved events)."""
@@ -129,7 +129,7 @@ class EventIndex(PrefixIndex):
     moment a request carrying it is sent there, until the engine's event confirms or
     removes it, or `ttl_s` passes."""
 
-    def __init__(self, ttl_s: float = 30.0, clock=None) -> None:
+    def __init__(self, ttl_s: float = 30.0, clock: Callable[[], float] | None = None) -> None:
         import time
 
         super().__init__()
@@ -210,6 +210,8 @@ class EventIndex(PrefixIndex):
         (vLLM publishes a reset_prefix_cache's AllBlocksCleared with the engine's next
         step, so it lands after the first requests of the next burst were routed; dropping
         their overlay sent their siblings elsewhere to prefill the same prefix again.)"""
+        if replica not in self._lru:
+            return  # it left (a feed's last snapshot can land after that)
         PrefixIndex.remove_replica(self, replica)
         self.add_replica(replica)
         self.stored(replica, keys)

@@ -14,6 +14,7 @@ retried on another replica, up to `router.max_retries` times, here and nowhere e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -100,6 +101,9 @@ class RouterSnapshot:
     max_inflight: int
     counts: dict[str, int]
     engines: dict[str, EngineStatus] = field(default_factory=dict)
+    regret_tokens: dict[str, int] = field(default_factory=dict)
+    """By decision reason, since start or the last reset (routing/core.py)."""
+    session_moves: dict[str, int] = field(default_factory=dict)
 
 
 class Dispatcher:
@@ -139,7 +143,9 @@ class Dispatcher:
 
     def _joined(self, r: Replica) -> bool:
         assert r.info is not None
-        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks):
+        # Engines naming the same GPUs share them (two engines on one GPU).
+        device = ",".join(sorted(d for d in r.info.devices if d)) or None
+        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device):
             return False
         self.feeds.join(r.name, r.info.kv_events, r.handle)
         return True
@@ -193,7 +199,7 @@ class Dispatcher:
                 cache_view["speculative"] = view.speculative_blocks
             engines[n] = EngineStatus(
                 r.up, info.pid if info else None, info.rank if info else None,
-                self.core.load.inflight[n], self.core.load.local.get(n, 0),
+                view.inflight if view else 0, view.local if view else 0,
                 info.unfinished if info else None, r.downs, r.slow_probes,
                 info.num_gpu_blocks if info else None, info.backend if info else None,
                 info.block_size if info else None, info.engine_pids if info else [],
@@ -201,7 +207,8 @@ class Dispatcher:
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, "admitted_now": self.admission.inflight,
-                               "admitted_peak": self.admission.peak}, engines)
+                               "admitted_peak": self.admission.peak}, engines,
+                              core.regret_tokens, core.session_moves)
 
     # --- routing ------------------------------------------------------------------------
     def _reject(self, status: int) -> None:
@@ -233,23 +240,26 @@ class Dispatcher:
         try:
             for attempt in range(1 + self.cfg.router.max_retries):
                 candidates = await self._candidates(tried, wait_until)
-                d = self.core.choose(route, candidates)
+                d = self.core.choose(route, candidates, retry=attempt > 0)
                 tried.add(d.replica)
                 if req.log:
                     log.info("request %s -> %s (%s; prompt %d tokens, %d predicted cached; "
                              "attempt %d)", req.request_id, d.replica, d.reason,
                              route.prompt_tokens, d.predicted_cached_tokens, attempt + 1)
                 if self.metrics is not None:
-                    self.metrics.decision(d.reason, d.replica)
+                    self.metrics.decision(d)
                 held: list[Reply] = []
                 delivered = False
                 try:
-                    async for chunk in self._call(d, req, route):
-                        if buffered:
-                            held.append(chunk)
-                        else:
-                            delivered = True
-                            yield chunk, d
+                    # aclosing: a client that leaves mid-stream ends the engine call (and
+                    # releases its load) now, not when the generator is collected.
+                    async with contextlib.aclosing(self._call(d, req, route)) as chunks:
+                        async for chunk in chunks:
+                            if buffered:
+                                held.append(chunk)
+                            else:
+                                delivered = True
+                                yield chunk, d
                 except EngineCallError as err:
                     e = err.cause
                     if not engine_dead(e):
@@ -302,9 +312,9 @@ class Dispatcher:
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
         req.origin = self.core.load.origin
-        self.core.dispatched(d, route)
         gen = None
         try:
+            self.core.dispatched(d, route)
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:

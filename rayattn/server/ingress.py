@@ -306,6 +306,7 @@ class Ingress:
                 "replicas": snap.replicas, "joined": snap.joined, "policy": snap.policy,
                 "router_pid": os.getpid(), "limits": {"max_inflight": snap.max_inflight},
                 "index": snap.index_mode, "counts": snap.counts,
+                "regret_tokens": snap.regret_tokens, "session_moves": snap.session_moves,
                 "engines": {n: asdict(e) for n, e in snap.engines.items()}}
         if not live:
             return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
@@ -407,7 +408,8 @@ def _passthrough(reply: Reply, d: Decision) -> Response:
 
 def _ext(last: Any, d: Decision, arrived: float) -> dict:
     t = last.timings or {}
-    return {"replica": d.replica, "route_reason": d.reason,
+    return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
+            "regret_tokens": d.regret_tokens,
             "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
             "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
             "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),

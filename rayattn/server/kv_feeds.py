@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from rayattn.engine.kv_mirror import subscriber
 from rayattn.routing.core import RoutingCore
@@ -20,6 +20,11 @@ from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.background import detached
 
 log = logging.getLogger("rayattn.kv_events")
+
+
+class FeedSink(CacheSink, Protocol):
+    def reset(self, keys: list[int]) -> None:
+        """Replace the view with a snapshot's blocks (a feed's resync)."""
 
 
 class _ReplicaSink:
@@ -70,8 +75,7 @@ class KVFeeds:
         async def snapshot() -> Snapshot:
             return await handle.kv_snapshot.remote()
 
-        sink = _ReplicaSink(self.core, name)
-        feed = EventFeed(endpoint, sink, snapshot, sink.reset, name)
+        feed = EventFeed(endpoint, _ReplicaSink(self.core, name), snapshot, name)
         self.feeds[name] = feed
         feed.start()
 
@@ -94,9 +98,9 @@ class EventFeed:
     snapshot (its mirror's state at sequence S), drop buffered batches ≤ S, apply the rest.
     A batch whose sequence is not last+1 means batches were lost: resync."""
 
-    def __init__(self, endpoint: str, sink: CacheSink, snapshot: Callable[[], Awaitable[Snapshot]],
-                 reset: Callable[[list[int]], None], name: str) -> None:
-        self.endpoint, self.sink, self._snapshot, self._reset = endpoint, sink, snapshot, reset
+    def __init__(self, endpoint: str, sink: FeedSink,
+                 snapshot: Callable[[], Awaitable[Snapshot]], name: str) -> None:
+        self.endpoint, self.sink, self._snapshot = endpoint, sink, snapshot
         self.name = name
         self.last_seq = -1
         self._seen = -1
@@ -143,7 +147,7 @@ class EventFeed:
                 break
             await asyncio.sleep(0.1)
             snap = await self._snapshot()
-        self._reset(snap.keys)
+        self.sink.reset(snap.keys)
         self.last_seq = snap.seq
         self.resyncs += 1
         while True:

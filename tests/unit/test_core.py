@@ -91,8 +91,10 @@ def test_a_replica_that_leaves_mid_request_does_not_reenter_the_index():
     c.dispatched(d, route)
     c.left(d.replica)
     c.first_token(d)
-    c.finished(d, route, Finished(route.prompt_tokens, 0, [1, 2, 3], {"itl_s": 0.01}))
+    c.finished(d, route, Finished(route.prompt_tokens, 0, [1, 2, 3], {
+        "scheduled_ts": 1.0, "first_token_ts": 1.5, "itl_s": 0.01}))
     c.ended(d)
+    assert d.replica not in c.policy.cost._spans  # its speed was not learned either
     assert d.replica not in c.routable
     assert d.replica not in c.index.replicas
     assert d.replica not in c.load.local  # nothing left of it once its last call ended
@@ -144,3 +146,88 @@ def test_block_size_from_the_first_engine_and_mismatches_refused():
 def test_unknown_policy_names_the_registered_ones():
     with pytest.raises(ValueError, match="affinity, round_robin"):
         RoutingCore({**RouterConfig().model_dump(), "policy": "nope"}, BS)
+
+
+def test_regret_and_moves_are_counted_by_reason():
+    c = core(policy="round_robin")
+    ids = prompt(6)
+    first = c.request(ids, session="conv")
+    d1 = c.choose(first, ["a", "b"])
+    c.dispatched(d1, first)
+    c.first_token(d1)
+    c.finished(d1, first, Finished(len(ids), 0, [1, 2], {}))
+    c.ended(d1)
+    # round_robin sends the next turn to the other replica: a move, and every block the
+    # first replica held is recomputed there.
+    nxt = c.request(ids + [1, 2] + [9] * 40, session="conv")
+    d2 = c.choose(nxt, ["a", "b"])
+    assert d2.replica != d1.replica and d2.moved_from == d1.replica
+    assert d2.regret_tokens == 6 * BS
+    snap = c.snapshot()
+    assert snap.session_moves == {"round_robin": 1}
+    assert snap.regret_tokens == {"round_robin": 6 * BS}
+
+
+def test_sticky_keeps_a_conversation_home_and_places_new_ones_least_loaded():
+    c = core(policy="sticky")
+    busy = c.request(prompt(2, salt=7), session="other")
+    c.dispatched(c.choose(busy, ["a"]), busy)  # "a" carries one request
+    route = c.request(prompt(3), session="s")
+    d = c.choose(route, ["a", "b"])
+    assert d.replica == "b" and d.reason == "cold"
+    c.dispatched(c.choose(c.request(prompt(2, salt=8), session="x"), ["b"]),
+                 c.request(prompt(2, salt=8)))
+    c.dispatched(c.choose(c.request(prompt(2, salt=9), session="y"), ["b"]),
+                 c.request(prompt(2, salt=9)))
+    again = c.choose(c.request(prompt(4), session="s"), ["a", "b"])
+    assert again.replica == "b" and again.reason == "session"  # home, though busier
+
+
+def test_engines_sharing_a_device_share_their_queue():
+    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    for name in ("a", "b"):
+        assert c.joined(name, BS, 1000, device="GPU-0")
+    home = c.request(prompt(60), session="s")
+    c.index.insert("a", home.keys)  # the conversation's history is on "a"
+    # A burst of cold prompts queued on "a" only: on separate devices this would move the
+    # conversation to "b"; on one device "b" waits behind the same GPU.
+    for k in range(8):
+        cold = c.request(prompt(100, salt=k + 1))
+        c.dispatched(c.choose(cold, ["a"]), cold)
+    d = c.choose(home, ["a", "b"])
+    assert d.replica == "a" and d.moved_from is None
+
+    apart = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    for name, dev in (("a", "GPU-0"), ("b", "GPU-1")):
+        assert apart.joined(name, BS, 1000, device=dev)
+    apart.index.insert("a", home.keys)
+    for k in range(8):
+        cold = apart.request(prompt(100, salt=k + 1))
+        apart.dispatched(apart.choose(cold, ["a"]), cold)
+    assert apart.choose(home, ["a", "b"]).replica == "b"
+
+
+def test_a_conversations_next_turn_hashes_only_its_new_blocks():
+    c = core()
+    fresh = core()
+    turn1 = prompt(10)
+    r1 = c.request(turn1, session="s")
+    assert c.hashed_blocks == 10
+    d = c.choose(r1, ["a"])
+    c.dispatched(d, r1)
+    answer = list(range(500, 500 + 3 * BS))
+    c.finished(d, r1, Finished(len(turn1), 0, answer, {}))
+    c.ended(d)
+    turn2 = turn1 + answer + [7] * (4 * BS)
+    before = c.hashed_blocks
+    r2 = c.request(turn2, session="s")
+    # The answer's blocks were hashed when the first turn finished: only the new user text.
+    assert c.hashed_blocks - before == 4
+    assert r2.keys == fresh.request(turn2).keys  # exactly what hashing from scratch gives
+    # A history edited in its 4th block: the first three blocks are reused, no more.
+    edited = list(turn2)
+    edited[3 * BS + 1] = 99_999
+    before = c.hashed_blocks
+    r3 = c.request(edited, session="s")
+    assert r3.keys == fresh.request(edited).keys
+    assert c.hashed_blocks - before == len(edited) // BS - 3

@@ -114,9 +114,13 @@ def test_replica_removed_loses_entries_and_new_replica_starts_empty():
 def test_session_breaks_ties():
     pol, idx, load, names = fleet(4)
     first = pol.choose(req([], tokens=10, session="s1"), names).replica
-    # A different (cold) prompt of the same session stays with its owner.
+    # A different (cold) prompt of the same session stays with its previous replica (the
+    # routing core tells the policy where that was).
     other = RouteRequest([], 12, affinity_key=424242, session="s1")
-    assert pol.choose(other, names).replica == first
+    assert pol.choose(other, names).replica != first  # the key alone ranks another first
+    other.previous = first
+    d = pol.choose(other, names)
+    assert d.replica == first and d.reason == "session"
 
 
 def test_round_robin_and_power_of_two_spread():

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from rayattn.routing.policies import affinity, power_of_two, ray_prefix, round_robin
+from rayattn.routing.policies import affinity, power_of_two, ray_prefix, round_robin, sticky
 from rayattn.routing.policies.base import (
     Decision,
     Policy,
@@ -20,7 +20,7 @@ from rayattn.routing.policies.base import (
 from rayattn.routing.policies.spec import PolicySpec
 
 REGISTRY: dict[str, PolicySpec] = {s.name: s for s in (
-    affinity.SPEC, round_robin.SPEC, power_of_two.SPEC, ray_prefix.SPEC)}
+    affinity.SPEC, round_robin.SPEC, power_of_two.SPEC, ray_prefix.SPEC, sticky.SPEC)}
 
 
 def spec(name: str) -> PolicySpec:

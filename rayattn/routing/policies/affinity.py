@@ -1,7 +1,10 @@
 """`affinity` minimises a predicted time to first token plus the prefill work it adds:
 
     cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
-    wait(r) = pending_prefill_tokens(r) × c_prefill + inflight(r) × c_decode
+    wait(r) = pending_prefill_tokens(d) × c_prefill + inflight(d) × c_decode
+
+where d is r's device: engines that share a GPU share its throughput, so their queues count
+together and a move between them saves no wait while it recomputes the history.
 
 subject to a bounded-load guard (inflight(r) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack), with
 m = (total+1)/n), so affinity can never build a hot spot. Near-ties go to the conversation's
@@ -18,7 +21,6 @@ history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain).
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,13 +39,10 @@ class Affinity(Policy):
     name = "affinity"
 
     def __init__(self, ctx: PolicyContext, *, cost: CostModel, epsilon: float,
-                 min_match_fraction: float = 0.1, slack: int = 0,
-                 max_sessions: int = 100_000) -> None:
+                 min_match_fraction: float = 0.1, slack: int = 0) -> None:
         super().__init__(ctx)
         self.cost, self.epsilon, self.slack = cost, epsilon, slack
         self.min_match_fraction = min_match_fraction
-        self._sessions: OrderedDict[str, str] = OrderedDict()
-        self._max_sessions = max_sessions
 
     def capacity(self, replicas: list[str]) -> int:
         total = sum(self.load.inflight[r] for r in replicas)
@@ -51,7 +50,8 @@ class Affinity(Policy):
         return max(math.ceil((1 + self.epsilon) * mean), math.ceil(mean) + self.slack)
 
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
-        matches = self.index.match(req.keys)
+        # Only the candidates' caches: a replica at its cap or already tried is not one.
+        matches = {r: n for r, n in self.index.match(req.keys).items() if r in replicas}
         cap = self.capacity(replicas)
         allowed = [r for r in replicas if self.load.inflight[r] + 1 <= cap] or replicas
         c = self.cost
@@ -64,8 +64,10 @@ class Affinity(Policy):
                 # piling new conversations onto one replica: count it as a tie, so they
                 # spread by where they differ.
                 cached = 0
-            wait = (self.load.pending_prefill[r] * c.prefill_s_per_token
-                    + self.load.inflight[r] * c.decode_s_per_request)
+            # Counted per device: engines sharing a GPU share its throughput, so the work
+            # queued on the other one delays this request as much as its own does.
+            wait = (self.load.device_pending_prefill(r) * c.prefill_s_per_token
+                    + self.load.device_inflight(r) * c.decode_s_per_request)
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token)
         best = min(costs.values())
@@ -73,7 +75,7 @@ class Affinity(Policy):
         # those deterministically so conversations and independent routers stay put.
         tol = max(best * 0.05, c.decode_s_per_request * 0.5)
         near = [r for r, v in costs.items() if v <= best + tol]
-        owner = self._sessions.get(req.session) if req.session else None
+        owner = req.previous
         best_cached = max(matches, key=lambda r: matches[r]) if matches else None
         if owner in near and len(near) > 1:
             chosen, reason = owner, "session"
@@ -84,11 +86,6 @@ class Affinity(Policy):
                 >= max(floor, 1) else "cold"
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
-        if req.session:
-            self._sessions[req.session] = chosen
-            self._sessions.move_to_end(req.session)
-            if len(self._sessions) > self._max_sessions:
-                self._sessions.popitem(last=False)
         return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
 
     @staticmethod
@@ -109,8 +106,6 @@ class Affinity(Policy):
         self.index.insert(replica, req.keys)
 
     def forget_replica(self, replica: str) -> None:
-        for s in [s for s, r in self._sessions.items() if r == replica]:
-            del self._sessions[s]
         self.cost.forget(replica)
 
     def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],

@@ -27,6 +27,8 @@ class RouteRequest:
     """Full vLLM hashes behind `keys`, so prompt + output can be hashed incrementally."""
     token_ids: list[int] = field(default_factory=list)
     """The prompt's token ids (the router indexes prompt + output after the request)."""
+    previous: str | None = None
+    """The routable replica this conversation's previous turn went to (set by the core)."""
 
 
 @dataclass
@@ -44,6 +46,12 @@ class Decision:
     prefill_pending: bool = False
     in_flight: bool = False
     """Between the core's `dispatched` and `ended`: load is held for it."""
+    regret_tokens: int = 0
+    """Tokens of this prompt another candidate held beyond what the chosen one holds:
+    recomputed here although they were cached elsewhere when the choice was made."""
+    moved_from: str | None = None
+    """The replica this conversation's previous turn went to, when it was a candidate and
+    another one was chosen."""
 
 
 def cached_tokens(prompt_tokens: int, matched_blocks: int, block_size: int) -> int:
