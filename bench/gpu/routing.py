@@ -47,9 +47,18 @@ ROUTER_PORT = 8100
 
 
 def workloads(scale: int) -> dict:
-    from rayattn.bench.workloads import multi_turn, shared_prefix
+    from rayattn.bench.workloads import agent_loop, doc_chat, multi_turn, shared_prefix
 
     return {
+        # Users' chats: 64 × scale conversations × 4 turns, each with a ~2k-token document of
+        # its own, ~500 new tokens per turn, 64-token answers (prompts 2.5k → 4.5k tokens).
+        "doc_chat": doc_chat(conversations=64 * scale, turns=4, doc_words=1500,
+                             user_words=350, max_tokens=64, seed=3),
+        # Agents: 4 long tool prompts (~1.6k tokens) shared by 64 × scale sessions of 6 turns,
+        # each appending a short tool result.
+        "agent_loop": agent_loop(agents=4, sessions=64 * scale, turns=6,
+                                 tool_prompt_words=1200, result_words=60, max_tokens=32,
+                                 seed=4),
         # ~3.6k-token system prompts (4 shared by all conversations), +~0.5k tokens of user
         # text and 64 generated tokens per turn: 4 turns, prompts 3.6k → 5.3k tokens.
         "multi_turn": multi_turn(conversations=64 * scale, turns=4, shared_systems=4,
@@ -83,13 +92,16 @@ def peer_command(kw: dict, port: int, name: str) -> list[str]:
     return cmd
 
 
-def start_peers(kw: dict, name: str, logdir: Path) -> list[subprocess.Popen]:
+def start_peers(kw: dict, name: str, logdir: Path, one_gpu: bool) -> list[subprocess.Popen]:
     procs = []
-    for gpu, port in enumerate(PEER_PORTS):
+    for k, port in enumerate(PEER_PORTS):
+        gpu = 0 if one_gpu else k
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": str(gpu), "VLLM_SERVER_DEV_MODE": "1",
                # own compile cache: the two servers and rayattn's engines start at once
-               "VLLM_CACHE_ROOT": f"/tmp/vllm-cache-peer{gpu}"}
-        out = open(logdir / f"peer{gpu}.log", "w")
+               "VLLM_CACHE_ROOT": f"/tmp/vllm-cache-peer{k}"}
+        if one_gpu and k:
+            time.sleep(25)  # vLLM's start-up memory profile must not see the other's
+        out = open(logdir / f"peer{k}.log", "w")
         procs.append(subprocess.Popen(peer_command(kw, port, name), env=env, stdout=out,
                                       stderr=subprocess.STDOUT))
     return procs
@@ -182,6 +194,10 @@ def main() -> int:
     ap.add_argument("--deadline-s", type=float, default=520,
                     help="start no new run after this many seconds")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="two engines per stack on GPU 0 (the single-GPU kinds)")
+    ap.add_argument("--think-s", type=float, default=0.0,
+                    help="a uniform 0..think_s pause before a conversation's next turn")
     a = ap.parse_args()
     t_start = time.time()
     out = Path(a.out)
@@ -190,17 +206,26 @@ def main() -> int:
     logdir.mkdir(parents=True, exist_ok=True)
 
     from rayattn.bench.driver import results_json, run_workload, summarize
+    from rayattn.bench.stats import percentile
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
 
-    args = rayattn_args(a.config, a.model)
+    if a.one_gpu:
+        # Both engines on device 0: Ray still hands each replica "one GPU" of the two it is
+        # told exist, but does not narrow CUDA_VISIBLE_DEVICES, so each sees GPU 0. vLLM
+        # checks at start-up that gpu_memory_utilization × the GPU is free: 0.3 each.
+        args = rayattn_args(a.config, a.model, **{
+            "engine.gpu_memory_utilization": 0.3,
+            "engine.env": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
+    else:
+        args = rayattn_args(a.config, a.model)
     name = args["model"]["served_name"]
     plan = build_plan(parse_args(args), prepare_model=True)
     report: dict = {"args": vars(a), "rayattn_args": args, "plan": plan.describe(),
                     "engine_kwargs": plan.engine_kwargs, "gpus": gpus(), "runs": [],
                     "checks": {}}
     log("plan:\n" + plan.describe())
-    peers = [] if a.no_peers else start_peers(plan.engine_kwargs, name, logdir)
+    peers = [] if a.no_peers else start_peers(plan.engine_kwargs, name, logdir, a.one_gpu)
     if peers:
         report["peer_command"] = " ".join(peer_command(plan.engine_kwargs, PEER_PORTS[0],
                                                        name))
@@ -224,10 +249,11 @@ def main() -> int:
             report["health"] = httpx.get(f"{app.url}/health", timeout=30).json()
             devs = [i.get("devices") for i in infos]
             node = {g["uuid"] for g in report["gpus"]}
-            ok = (all(d and len(d) == 1 for d in devs) and devs[0][0] != devs[1][0]
-                  and {devs[0][0], devs[1][0]} <= node)
-            report["checks"]["dp2_tp1_distinct_gpus"] = {"pass": ok, "devices": devs}
-            log(f"ASSERT dp2_tp1_distinct_gpus: {'PASS' if ok else 'FAIL'} {devs}")
+            one = all(d and len(d) == 1 for d in devs) and {d[0] for d in devs} <= node
+            check = "two_engines_one_gpu" if a.one_gpu else "dp2_tp1_distinct_gpus"
+            ok = one and (devs[0][0] == devs[1][0]) == a.one_gpu
+            report["checks"][check] = {"pass": ok, "devices": devs}
+            log(f"ASSERT {check}: {'PASS' if ok else 'FAIL'} {devs}")
             for p in report["gpu_processes"]:
                 log("  gpu process", p)
         except Exception as e:
@@ -273,8 +299,8 @@ def main() -> int:
                     run["reset"] = reset_peers()
                     router, run["router_start_s"] = start_router(pol, logdir)
                     url, before = f"http://127.0.0.1:{ROUTER_PORT}", peer_counts()
-                res, wall = asyncio.run(run_workload(url, name, wl,
-                                                     concurrency=a.concurrency, timeout=300))
+                res, wall = asyncio.run(run_workload(url, name, wl, concurrency=a.concurrency,
+                                                     timeout=300, think_s=a.think_s))
                 s = summarize(res, wall)
                 if before is not None:
                     after = peer_counts()
@@ -285,10 +311,15 @@ def main() -> int:
                     run["router_counts"] = httpx.get(f"{app.url}/health",
                                                      timeout=30).json().get("counts")
                 run["summary"], run["results"] = s, results_json(res)
+                later = sorted(x.ttft_s for x in res if x.status == 200 and x.turn > 0)
+                s["later_ttft_p50_s"] = percentile(later, 0.5)
+                s["later_ttft_p90_s"] = percentile(later, 0.9)
                 log(f"{stack:11s} {pol:19s} {wname:13s} #{rep} ok={s['ok']}/{s['requests']} "
                     f"hit={s['hit_rate']:.3f} ttft p50={s['ttft_p50_s']:.3f} "
-                    f"p90={s['ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
-                    f"wall={wall:.1f}s split={s['per_replica']}")
+                    f"p90={s['ttft_p90_s']:.3f} later p50={s['later_ttft_p50_s']:.3f} "
+                    f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
+                    f"wall={wall:.1f}s moves={s['moves']} regret={s['regret_tokens']} "
+                    f"split={s['per_replica']}")
             except Exception as e:
                 run["error"] = repr(e)
                 fail(f"{stack} {pol} {wname}: {e!r}")
