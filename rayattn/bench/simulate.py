@@ -232,7 +232,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     for n in names:
         truth.add_replica(n, model.capacity_blocks)
         for c in cores:
-            c.joined(n, model.block_size, model.capacity_blocks)
+            c.joined(n, model.block_size, model.capacity_blocks, max_batch=model.max_seqs)
     engines = {n: _Engine(n, model, truth) for n in names}
     if views:
         _forward_stores(truth, views)

@@ -75,6 +75,8 @@ class EngineInfo:
     num_gpu_blocks: int
     """KV cache capacity in blocks (the predicted index is bounded by it)."""
     max_model_len: int
+    max_num_seqs: int
+    """Requests the engine runs in one batch (vLLM's scheduler limit)."""
     startup_s: float
     kv_events: str | None
     """ZMQ endpoint of the engine's KV events (None: it publishes none)."""

@@ -85,6 +85,7 @@ class EngineReplica:
             "block_size": cache.block_size,
             "num_gpu_blocks": int(cache.num_gpu_blocks or 0),
             "max_model_len": self.engine.vllm_config.model_config.max_model_len,
+            "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
             "startup_s": round(time.monotonic() - t0, 2),
             "kv_events": kv_endpoint,
         }

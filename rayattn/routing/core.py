@@ -131,10 +131,10 @@ class RoutingCore:
 
     # --- membership ---------------------------------------------------------------------
     def joined(self, name: str, block_size: int, capacity_blocks: int,
-               device: str | None = None) -> bool:
+               device: str | None = None, max_batch: int = 0) -> bool:
         """An engine replica is up. False when the router cannot route to it correctly.
         `device`: what it computes on (GPU UUIDs); replicas naming the same one share its
-        throughput (routing/load.py)."""
+        throughput. `max_batch`: the requests its engine runs in one batch (routing/load.py)."""
         if block_size != self.block_size and not self.routable:
             # The engine is the authority on its block size (vLLM may override the configured
             # one for a backend): the first engine up sets what the router hashes.
@@ -155,6 +155,8 @@ class RoutingCore:
         self.routable[name] = capacity_blocks
         if device:
             self.load.device[name] = device
+        if max_batch:
+            self.load.batch[name] = max_batch
         return True
 
     def left(self, name: str) -> None:

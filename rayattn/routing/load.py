@@ -39,6 +39,9 @@ class LoadTracker:
         """The device each replica computes on. Replicas on one device (two engines on one
         GPU) share its throughput: work moved between them frees nothing, so their load
         is counted together (`device_pending_prefill`, `device_inflight`)."""
+        self.batch: dict[str, int] = {}
+        """How many requests each replica's engine runs in one batch (vLLM's max_num_seqs):
+        below that a new request joins the running batch instead of queueing."""
         self.inflight = _Inflight(self)
 
     def reported(self, replica: str, by_origin: Mapping[str, int],
@@ -82,6 +85,7 @@ class LoadTracker:
         self.others.pop(replica, None)
         self._stamps.pop(replica, None)
         self.device.pop(replica, None)
+        self.batch.pop(replica, None)
         self._forgotten.add(replica)
         if self.local.get(replica, 0) == 0:
             self._drop(replica)

@@ -145,7 +145,8 @@ class Dispatcher:
         assert r.info is not None
         # Engines naming the same GPUs share them (two engines on one GPU).
         device = ",".join(sorted(d for d in r.info.devices if d)) or None
-        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device):
+        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device,
+                                r.info.max_num_seqs):
             return False
         self.feeds.join(r.name, r.info.kv_events, r.handle)
         return True

@@ -6,8 +6,10 @@
 where d is r's device: engines that share a GPU share its throughput, so their queues count
 together and a move between them saves no wait while it recomputes the history.
 
-subject to a bounded-load guard (inflight(r) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack), with
-m = (total+1)/n), so affinity can never build a hot spot. Near-ties go to the conversation's
+subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
+batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
+batch), so affinity can never build a hot spot, and never moves a conversation off its
+cache while its engine still has room in its batch. Near-ties go to the conversation's
 session owner, then to the replica ranked first by rendezvous hashing of the prefix's first
 block: independent router replicas and followers of a re-homed prefix agree without talking
 to each other.
@@ -44,16 +46,26 @@ class Affinity(Policy):
         self.cost, self.epsilon, self.slack = cost, epsilon, slack
         self.min_match_fraction = min_match_fraction
 
-    def capacity(self, replicas: list[str]) -> int:
-        total = sum(self.load.inflight[r] for r in replicas)
-        mean = (total + 1) / len(replicas)
-        return max(math.ceil((1 + self.epsilon) * mean), math.ceil(mean) + self.slack)
+    def allowed(self, replicas: list[str]) -> list[str]:
+        """The bounded-load guard, per device (engines sharing a GPU are one unit: moving
+        work between them frees nothing): a device may take a request while its in-flight
+        count stays within max(⌈(1+ε)·m⌉, ⌈m⌉ + slack) of the mean m over devices, or
+        within what its engines batch at once (max_num_seqs): below that a request joins
+        the running batch, and moving a conversation off its cache buys nothing."""
+        devices: dict[str, list[str]] = {}
+        for r in replicas:
+            devices.setdefault(self.load.device.get(r, r), []).append(r)
+        load = {d: sum(self.load.inflight[r] for r in rs) for d, rs in devices.items()}
+        mean = (sum(load.values()) + 1) / len(devices)
+        cap = max(math.ceil((1 + self.epsilon) * mean), math.ceil(mean) + self.slack)
+        ok = {d for d, rs in devices.items()
+              if load[d] + 1 <= max(cap, sum(self.load.batch.get(r, 0) for r in rs))}
+        return [r for r in replicas if self.load.device.get(r, r) in ok] or replicas
 
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
         # Only the candidates' caches: a replica at its cap or already tried is not one.
         matches = {r: n for r, n in self.index.match(req.keys).items() if r in replicas}
-        cap = self.capacity(replicas)
-        allowed = [r for r in replicas if self.load.inflight[r] + 1 <= cap] or replicas
+        allowed = self.allowed(replicas)
         c = self.cost
         costs: dict[str, float] = {}
         floor = self.min_match_fraction * req.prompt_tokens
