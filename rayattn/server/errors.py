@@ -77,7 +77,9 @@ def failed_request(e: BaseException | None, timeout_s: float) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, EngineFailure):
-        return APIError(503, f"engine failure: {e}", retry_after=2)
+        # After output has reached the client the answer is an error event in its stream.
+        where = " mid-stream" if e.started else ""
+        return APIError(503, f"engine failure{where}: {e}", retry_after=2)
     if isinstance(e, TimeoutError):
         return APIError(504, f"request exceeded {timeout_s}s")
     return APIError(503, "the engine ended the request without output", retry_after=2)

@@ -74,11 +74,27 @@ def test_per_path_metrics_in_prometheus(server, prometheus, reset):
 
 
 @pytest.mark.after_disruptive  # retries and failures exist only once replicas were killed
-def test_every_dashboard_and_alert_expression_parses_and_returns_data(server, prometheus):
+def test_every_dashboard_and_alert_expression_parses_and_returns_data(server, prometheus,
+                                                                     reset):
     rules = ROOT / "dashboards" / "rayattn-alerts.yaml"
     out = subprocess.run([PROMTOOL, "check", "rules", str(rules)], capture_output=True,
                          text=True)
     assert out.returncode == 0, out.stdout + out.stderr
+    # The router's regret counters move only when it sends a conversation away from its
+    # history: round_robin does, on the second turn of a conversation.
+    reset("round_robin")
+    history = [{"role": "user", "content": "remember the harbor " * 40}]
+    for turn in range(2):
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                       headers={"x-session-id": "metrics-moves"},
+                       json={"model": "smollm2", "max_tokens": 4, "messages": history})
+        assert r.status_code == 200, r.text
+        if turn:
+            assert r.json()["rayattn"]["moved_from"] is not None
+            assert r.json()["rayattn"]["regret_tokens"] > 0
+        history += [{"role": "assistant", "content": r.json()["choices"][0]["message"]
+                     ["content"]}, {"role": "user", "content": "and then?"}]
+    reset("affinity")
     # a little traffic so rates over the last minute are defined
     for _ in range(3):
         httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
