@@ -129,14 +129,14 @@ def case_of(results: list[Result], trace: list[SimRequest], wall_s: float,
                 percentile(prefill, 0.5), percentile(itl, 0.5), wall_s)
 
 
-_CALIBRATED = ("prefill_s_per_token", "extend_s_per_token", "itl_base_s", "itl_per_seq_s",
-               "ctx_s_per_token", "attn_s_per_token_pair", "frontend_s")
+_CALIBRATED = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
+               "attn_s_per_token_pair", "frontend_s")
 
 
 # Where a coefficient the least-squares stage left at 0 starts its search.
 _SEED_VALUE = {"prefill_s_per_token": 1e-4, "itl_base_s": 1e-2, "itl_per_seq_s": 1e-4,
                "ctx_s_per_token": 1e-6, "attn_s_per_token_pair": 1e-8,
-               "frontend_s": 1e-2, "extend_s_per_token": 1e-4}
+               "frontend_s": 1e-2}
 
 
 def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
@@ -159,8 +159,6 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
                     total += math.log(max(sim, 1e-4) / max(real, 1e-4)) ** 2
         return total
 
-    if start.extend_s_per_token is None:  # searched from the prefill rate
-        start = replace(start, extend_s_per_token=start.prefill_s_per_token)
     best, best_loss = start, loss(start)
     step = 2.0
     for _ in range(rounds):

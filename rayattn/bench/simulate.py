@@ -8,9 +8,7 @@ Engine model (one replica), a step loop like vLLM's scheduler:
   * every step runs all running sequences' next token plus prompt chunks from the waiting
     queue (FIFO) up to `max_batched_tokens`, at most `max_seqs` sequences;
   * a step takes itl_base_s + itl_per_seq_s × decodes + prefill_s_per_token × prompt
-    tokens computed for cold prompts (extend_s_per_token for prompts with a cached prefix:
-    vLLM's extend path, a different attention kernel on some backends) + ctx_s_per_token ×
-    cached tokens the new prompts attend to +
+    tokens computed + ctx_s_per_token × cached tokens the new prompts attend to +
     attn_s_per_token_pair × Σ over prompt chunks of (tokens computed × tokens before them)
     (attention of the new tokens over their context: what makes a long extend slower than
     a short one with the same number of new tokens);
@@ -79,8 +77,6 @@ class EngineModel:
     hop_s: float = 0.0
     attn_s_per_token_pair: float = 0.0
     frontend_s: float = 0.0
-    extend_s_per_token: float | None = None
-    """Per new token of a prompt with a cached prefix (None: as prefill_s_per_token)."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -153,8 +149,6 @@ class _Engine:
         self.busy = False
         self.pairs = 0.0
         """This step's Σ tokens computed × tokens before them."""
-        self.extend_tokens = 0
-        """This step's prompt tokens of sequences with a cached prefix."""
         self.frontend_free = 0.0
         """When the replica's frontend (rendering, tokenizing) is free for the next."""
 
@@ -165,7 +159,6 @@ class _Engine:
         decodes = [s for s in self.running if s.left == 0]
         budget = m.max_batched_tokens - len(decodes)
         prefill_tokens = ctx_tokens = 0
-        self.extend_tokens = 0
         self.pairs = 0.0
         chunked: list[_Seq] = []
         for s in [s for s in self.running if s.left > 0]:  # partly computed prompts first
@@ -186,11 +179,8 @@ class _Engine:
             budget = m.max_batched_tokens - len(decodes) - prefill_tokens
             self.running.append(s)
             chunked.append(s)
-        extend_rate = m.prefill_s_per_token if m.extend_s_per_token is None \
-            else m.extend_s_per_token
         dt = (m.itl_base_s + m.itl_per_seq_s * len(decodes)
-              + m.prefill_s_per_token * (prefill_tokens - self.extend_tokens)
-              + extend_rate * self.extend_tokens + m.ctx_s_per_token * ctx_tokens
+              + m.prefill_s_per_token * prefill_tokens + m.ctx_s_per_token * ctx_tokens
               + m.attn_s_per_token_pair * self.pairs)
         end = now + dt
         first = [s for s in chunked if s.left == 0]
@@ -212,8 +202,6 @@ class _Engine:
         before = s.req.prompt_tokens - s.left
         s.left -= take
         self.pairs += take * (before + take / 2)
-        if s.cached > 0:
-            self.extend_tokens += take
         self.truth.insert(self.name, s.req.keys[:(before + take) // self.m.block_size])
         return take
 
