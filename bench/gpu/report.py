@@ -84,13 +84,14 @@ def routing(path: Path, tok, out: Path) -> dict:
                      "workload": run["workload"], "repeat": run["repeat"], **s})
     agg: dict = {}
     keys = ["hit_rate", "oracle_block_hit_rate", "hit_over_oracle", "ttft_p50_s", "ttft_p90_s",
-            "output_tok_per_s", "wall_s", "max_replica_share"]
+            "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s", "wall_s",
+            "max_replica_share"]
     for r in rows:
         if "hit_rate" not in r:
             continue
         a = agg.setdefault((r["workload"], r["stack"], r["policy"]), defaultdict(list))
         for k in keys:
-            a[k].append(r[k])
+            a[k].append(r.get(k, float("nan")))  # later_* only in runs since 01d6db2
     table = {f"{w}|{s}|{p}": {k: statistics.mean(v) for k, v in a.items()} | {
         "n": len(a["hit_rate"]), "values": {k: v for k, v in a.items()}}
         for (w, s, p), a in agg.items()}
@@ -106,6 +107,8 @@ def routing(path: Path, tok, out: Path) -> dict:
             "hit_over_oracle": aff["hit_over_oracle"] / v["hit_over_oracle"],
             "ttft_p50": aff["ttft_p50_s"] / v["ttft_p50_s"],
             "ttft_p90": aff["ttft_p90_s"] / v["ttft_p90_s"],
+            "later_ttft_p50": aff["later_ttft_p50_s"] / v["later_ttft_p50_s"],
+            "later_ttft_p90": aff["later_ttft_p90_s"] / v["later_ttft_p90_s"],
             "output_tok_per_s": aff["output_tok_per_s"] / v["output_tok_per_s"],
             "wall": aff["wall_s"] / v["wall_s"]} for p, v in peers.items()}}
     summary = {"rows": rows, "table": table, "ratios": ratios,
@@ -116,8 +119,8 @@ def routing(path: Path, tok, out: Path) -> dict:
                "peers_up_s": rep.get("peers_up_s")}
     (out / "routing-summary.json").write_text(json.dumps(summary, indent=1))
     print("\n| workload | stack | policy | hit/oracle | hit | oracle | TTFT p50 s | TTFT p90 s |"
-          " output tok/s | wall s | max share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          " later-turn TTFT p50 s | p90 s | output tok/s | wall s | max share |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, v in table.items():
         w, s, p = key.split("|")
         vals = v["values"]
@@ -127,18 +130,21 @@ def routing(path: Path, tok, out: Path) -> dict:
         print(f"| {w} | {s} | {p} | {both('hit_over_oracle', '.3f')} | "
               f"{both('hit_rate', '.3f')} | {both('oracle_block_hit_rate', '.3f')} | "
               f"{both('ttft_p50_s', '.3f')} | {both('ttft_p90_s', '.3f')} | "
+              f"{both('later_ttft_p50_s', '.3f')} | {both('later_ttft_p90_s', '.3f')} | "
               f"{both('output_tok_per_s', '.0f')} | {both('wall_s', '.1f')} | "
               f"{both('max_replica_share', '.2f')} |")
     print("\nratios rayattn affinity / vllm-router policy (means over repeats):")
-    print("| workload | peer policy | hit/oracle | TTFT p50 | TTFT p90 | output tok/s | wall |")
-    print("|---|---|---|---|---|---|---|")
+    print("| workload | peer policy | hit/oracle | TTFT p50 | TTFT p90 | later p50 | later p90 "
+          "| output tok/s | wall |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for w, r in ratios.items():
         for p, v in r.items():
             if p == "best_peer_by_ttft_p90":
                 continue
             mark = " (best TTFT p90)" if p == r["best_peer_by_ttft_p90"] else ""
             print(f"| {w} | {p}{mark} | {v['hit_over_oracle']:.3f} | {v['ttft_p50']:.2f} | "
-                  f"{v['ttft_p90']:.2f} | {v['output_tok_per_s']:.2f} | {v['wall']:.2f} |")
+                  f"{v['ttft_p90']:.2f} | {v['later_ttft_p50']:.2f} | {v['later_ttft_p90']:.2f} "
+                  f"| {v['output_tok_per_s']:.2f} | {v['wall']:.2f} |")
     return summary
 
 
