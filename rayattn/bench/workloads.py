@@ -52,11 +52,18 @@ def multi_turn(conversations: int = 8, turns: int = 4, shared_systems: int = 2,
     rng = random.Random(seed)
     systems = [f"You are assistant #{s}. Rules: " + _text(rng, system_words)
                for s in range(shared_systems)]
-    convs = [Conversation(systems[c % shared_systems],
-                          [f"Turn {t}: " + _text(rng, user_words) for t in range(turns)],
-                          f"conv-{c}", max_tokens)
-             for c in range(conversations)]
-    return Workload("multi_turn", convs)
+    return Workload("multi_turn", _sessions(rng, systems, conversations, turns, "Turn",
+                                            user_words, "conv-{i}", max_tokens))
+
+
+def _sessions(rng: random.Random, heads: list[str], count: int, turns: int, label: str,
+              words: int, session: str, max_tokens: int) -> list[Conversation]:
+    """`count` conversations over shared heads (conversation i starts with head i mod n),
+    each turn `label` + `words` random words; `session` is formatted with i and the head."""
+    return [Conversation(heads[i % len(heads)],
+                         [f"{label} {t}: " + _text(rng, words) for t in range(turns)],
+                         session.format(i=i, head=i % len(heads)), max_tokens)
+            for i in range(count)]
 
 
 def doc_chat(conversations: int = 16, turns: int = 4, doc_words: int = 500,
@@ -81,11 +88,8 @@ def agent_loop(agents: int = 4, sessions: int = 32, turns: int = 6,
     rng = random.Random(seed)
     prompts = [f"Agent {a}. Tools and rules: " + _text(rng, tool_prompt_words)
                for a in range(agents)]
-    convs = [Conversation(prompts[s % agents],
-                          [f"Tool result {t}: " + _text(rng, result_words) for t in range(turns)],
-                          f"agent{s % agents}-s{s}", max_tokens)
-             for s in range(sessions)]
-    return Workload("agent_loop", convs)
+    return Workload("agent_loop", _sessions(rng, prompts, sessions, turns, "Tool result",
+                                            result_words, "agent{head}-s{i}", max_tokens))
 
 
 def long_doc_qa(documents: int = 3, questions_per_doc: int = 10, doc_words: int = 900,

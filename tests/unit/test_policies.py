@@ -50,32 +50,39 @@ def test_bounded_load_guard_diverts_from_hot_replica():
     assert d.replica == "r1" and d.reason == "load_guard"
 
 
+HISTORY = list(range(1, 61))  # a conversation's 60 cached blocks, all on r0
+
+
+def busy_holder(in_flight: int, **load_facts: dict[str, object]):
+    """Two replicas, the conversation's history on r0 and `in_flight` requests there."""
+    pol, idx, load, names = fleet(2, eps=0.25)
+    for attr, values in load_facts.items():
+        getattr(load, attr).update(values)
+    idx.insert("r0", HISTORY)
+    for _ in range(in_flight):
+        load.acquire("r0", 0)
+    return pol, load, names
+
+
 def test_no_guard_move_while_the_holder_has_room_in_its_batch():
     # 6 in flight against 0 trips the guard above; with engines that batch 32 requests
     # the request joins r0's running batch and keeps its (long) cached history.
-    pol, idx, load, names = fleet(2, eps=0.25)
-    load.batch.update(r0=32, r1=32)
-    history = list(range(1, 61))
-    idx.insert("r0", history)
-    for _ in range(6):
-        load.acquire("r0", 0)
-    d = pol.choose(req(history + [99]), names)
+    pol, load, names = busy_holder(6, batch={"r0": 32, "r1": 32})
+    d = pol.choose(req(HISTORY + [99]), names)
     assert d.replica == "r0" and d.reason != "load_guard"
     for _ in range(26):  # r0's batch is full: now the guard moves it
         load.acquire("r0", 0)
-    assert pol.choose(req(history + [99]), names).reason == "load_guard"
+    assert pol.choose(req(HISTORY + [99]), names).reason == "load_guard"
 
 
 def test_engines_on_one_gpu_are_one_unit_for_the_guard():
-    pol, idx, load, names = fleet(2, eps=0.25)
-    load.device.update(r0="GPU-0", r1="GPU-0")
-    history = list(range(1, 61))
-    idx.insert("r0", history)
-    for _ in range(40):
-        load.acquire("r0", 0)
     # Moving the conversation to the other engine on the same GPU frees nothing.
-    d = pol.choose(req(history + [99]), names)
+    pol, _, names = busy_holder(40, device={"r0": "GPU-0", "r1": "GPU-0"})
+    d = pol.choose(req(HISTORY + [99]), names)
     assert d.replica == "r0" and d.reason != "load_guard"
+    # On separate GPUs the same load does move it.
+    pol, _, names = busy_holder(40, device={"r0": "GPU-0", "r1": "GPU-1"})
+    assert pol.choose(req(HISTORY + [99]), names).reason == "load_guard"
 
 
 @settings(max_examples=100, deadline=None)
