@@ -162,7 +162,8 @@ def write_engine_model(a: argparse.Namespace, url: str, raw: dict, workloads: di
         rows += res
         wall = max(r.start_s + r.e2e_s for r in res) - min(r.start_s for r in res)
         trace = trace_from_run(res, wl, tokenizer, base.block_size)
-        cases.append(case_of(res, trace, wall, a.concurrency, len(_engines_up(url))))
+        cases.append(case_of(res, trace, wall, a.concurrency, len(_engines_up(url)),
+                             a.think_s))
     try:
         model = calibrate(cases, fit_engine_model(rows, base))
     except ValueError as e:
