@@ -233,6 +233,7 @@ class RoutingCore:
         if route.session:
             last = self._last_replica.get(route.session)
             route.previous = last if last in self.routable else None
+        route.held = self.index.match(route.keys)  # now: a retry sees the index anew
         d = self.policy.choose(route, candidates)
         d.loads = {r: self.load.inflight[r] for r in candidates}
         if not retry:
@@ -248,7 +249,7 @@ class RoutingCore:
         """The router's own regret, by the decision's reason: prompt tokens another
         candidate held beyond the chosen one's, and conversations moved off the replica of
         their previous turn while it was a candidate."""
-        matches = self.index.match(route.keys)
+        matches = route.held or {}
         held = max((matches.get(r, 0) for r in candidates), default=0)
         best = policies.cached_tokens(route.prompt_tokens, held, self.block_size)
         d.regret_tokens = max(0, best - d.predicted_cached_tokens)

@@ -64,7 +64,7 @@ class Affinity(Policy):
 
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
         # Only the candidates' caches: a replica at its cap or already tried is not one.
-        matches = {r: n for r, n in self.index.match(req.keys).items() if r in replicas}
+        matches = {r: n for r, n in self.matches(req).items() if r in replicas}
         allowed = self.allowed(replicas)
         c = self.cost
         costs: dict[str, float] = {}

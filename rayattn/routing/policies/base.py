@@ -29,6 +29,9 @@ class RouteRequest:
     """The prompt's token ids (the router indexes prompt + output after the request)."""
     previous: str | None = None
     """The routable replica this conversation's previous turn went to (set by the core)."""
+    held: dict[str, int] | None = None
+    """Leading blocks of `keys` each replica holds, matched once per choice by the core
+    (policies and the core's accounting read it instead of matching again)."""
 
 
 @dataclass
@@ -91,9 +94,12 @@ class Policy:
     def cached_tokens(self, req: RouteRequest, matched_blocks: int) -> int:
         return cached_tokens(req.prompt_tokens, matched_blocks, self.block_size)
 
+    def matches(self, req: RouteRequest) -> dict[str, int]:
+        return req.held if req.held is not None else self.index.match(req.keys)
+
     def predicted(self, req: RouteRequest, replica: str) -> int:
         """Tokens `replica` would serve from cache for `req`, by the index."""
-        return self.cached_tokens(req, self.index.match(req.keys).get(replica, 0))
+        return self.cached_tokens(req, self.matches(req).get(replica, 0))
 
     def on_dispatch(self, replica: str, req: RouteRequest) -> None:
         """The request was sent to `replica` (affinity counts its prefix as cached there at
