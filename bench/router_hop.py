@@ -26,12 +26,12 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from rayattn.bench.cli import start_local  # noqa: E402
 from rayattn.bench.driver import run_workload  # noqa: E402
+from rayattn.bench.stats import percentile  # noqa: E402
 from rayattn.bench.workloads import Conversation, Workload  # noqa: E402
 
 
 def pct(xs: list[float], p: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(p * len(xs)))] if xs else float("nan")
+    return percentile(sorted(xs), p)
 
 
 def workload(n: int, words: int, seed: int) -> Workload:

@@ -34,6 +34,7 @@ import json
 import random
 import time
 from collections import defaultdict, deque
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -227,15 +228,19 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         for v in views:
             v.removed(rep, [key])
 
-    truth = PrefixIndex(on_evict=evicted)  # what each engine really holds
+    def stored(rep: str, keys: Sequence[int]) -> None:
+        for v in views:
+            v.stored(rep, keys)
+
+    # What each engine really holds; its stores and evictions reach every events-mode
+    # router at once, as vLLM's KV events would.
+    truth = PrefixIndex(on_evict=evicted, on_store=stored if views else None)
 
     for n in names:
         truth.add_replica(n, model.capacity_blocks)
         for c in cores:
             c.joined(n, model.block_size, model.capacity_blocks, max_batch=model.max_seqs)
     engines = {n: _Engine(n, model, truth) for n in names}
-    if views:
-        _forward_stores(truth, views)
 
     # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
     # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq)
@@ -385,18 +390,6 @@ def _learned(core: RoutingCore) -> dict[str, float]:
         return {}
     return {"prefill_s_per_token": cost.prefill_s_per_token,
             "decode_s_per_request": cost.decode_s_per_request}
-
-
-def _forward_stores(truth: PrefixIndex, views: list[EventIndex]) -> None:
-    """Engines' stores reach every events-mode router at once (BlockStored events)."""
-    insert = truth.insert
-
-    def insert_and_publish(replica: str, keys: list[int]) -> None:
-        insert(replica, keys)
-        for v in views:
-            v.stored(replica, keys)
-
-    truth.insert = insert_and_publish  # type: ignore[method-assign]
 
 
 # --- synthetic traces (token-level, no tokenizer needed) ---------------------------------------

@@ -38,7 +38,7 @@ class LoadTracker:
         self.device: dict[str, str] = {}
         """The device each replica computes on. Replicas on one device (two engines on one
         GPU) share its throughput: work moved between them frees nothing, so their load
-        is counted together (`device_pending_prefill`, `device_inflight`)."""
+        is counted together (`device_load`)."""
         self.batch: dict[str, int] = {}
         """How many requests each replica's engine runs in one batch (vLLM's max_num_seqs):
         below that a new request joins the running batch instead of queueing."""
@@ -90,18 +90,16 @@ class LoadTracker:
         if self.local.get(replica, 0) == 0:
             self._drop(replica)
 
-    def device_pending_prefill(self, replica: str) -> int:
-        device = self.device.get(replica)
-        if device is None:
-            return self.pending_prefill.get(replica, 0)
-        return sum(self.pending_prefill.get(r, 0) for r, d in self.device.items()
-                   if d == device)
-
-    def device_inflight(self, replica: str) -> int:
-        device = self.device.get(replica)
-        if device is None:
-            return self.inflight[replica]
-        return sum(self.inflight[r] for r, d in self.device.items() if d == device)
+    def device_load(self) -> dict[str, tuple[int, int]]:
+        """(pending prefill tokens, in-flight requests) per replica, each summed over the
+        replicas on its device (one pass, once per routing decision)."""
+        per_device: dict[str, tuple[int, int]] = {}
+        for r, d in self.device.items():
+            p, n = per_device.get(d, (0, 0))
+            per_device[d] = (p + self.pending_prefill.get(r, 0), n + self.inflight[r])
+        names = set(self.local) | set(self.others) | set(self.device)
+        return {r: per_device[self.device[r]] if r in self.device
+                else (self.pending_prefill.get(r, 0), self.inflight[r]) for r in names}
 
     def imbalance(self, replicas: list[str]) -> float:
         """max / mean in-flight (1.0 = perfectly even; 0 when idle)."""

@@ -14,10 +14,13 @@ from collections.abc import Callable, Sequence
 
 
 class PrefixIndex:
-    def __init__(self, on_evict: Callable[[str, int], None] | None = None) -> None:
+    def __init__(self, on_evict: Callable[[str, int], None] | None = None,
+                 on_store: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self._on_evict = on_evict
         """Called with (replica, key) for every block the LRU bound evicts (the simulator
         turns these into BlockRemoved events)."""
+        self._on_store = on_store
+        """Called with (replica, keys) after `insert` (the simulator's BlockStored events)."""
         self._owners: dict[int, set[str]] = {}
         self._lru: dict[str, OrderedDict[int, None]] = {}
         self._capacity: dict[str, int] = {}
@@ -93,6 +96,8 @@ class PrefixIndex:
                 lru[key] = None
                 self._owners.setdefault(key, set()).add(replica)
         self._evict(replica)
+        if self._on_store is not None:
+            self._on_store(replica, keys)
 
     def remove_blocks(self, replica: str, keys: Sequence[int]) -> None:
         """Precise mode: the engine reported these blocks evicted."""

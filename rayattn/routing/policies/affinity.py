@@ -69,6 +69,7 @@ class Affinity(Policy):
         c = self.cost
         costs: dict[str, float] = {}
         floor = self.min_match_fraction * req.prompt_tokens
+        device_load = self.load.device_load()
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
             if cached < floor:
@@ -78,8 +79,8 @@ class Affinity(Policy):
                 cached = 0
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
-            wait = (self.load.device_pending_prefill(r) * c.prefill_s_per_token
-                    + self.load.device_inflight(r) * c.decode_s_per_request)
+            pending, inflight = device_load.get(r, (0, 0))
+            wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token)
         best = min(costs.values())
