@@ -25,7 +25,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from rayattn.bench.cli import start_local  # noqa: E402
-from rayattn.bench.driver import run_workload  # noqa: E402
+from rayattn.bench.driver import hop_summary, run_workload  # noqa: E402
 from rayattn.bench.stats import percentile  # noqa: E402
 from rayattn.bench.workloads import Conversation, Workload  # noqa: E402
 
@@ -54,7 +54,8 @@ async def measure(url: str, concurrency: int, n: int, words: int, seed: int) -> 
             "prompt_tokens_mean": sum(r.prompt_tokens for r in ok) / max(len(ok), 1),
             "router_ms": {"p50": pct(router, 0.5), "p99": pct(router, 0.99),
                           "max": max(router, default=float("nan"))},
-            "hop_ms": {"p50": pct(hop, 0.5), "p99": pct(hop, 0.99)}}
+            "hop_ms": {"p50": pct(hop, 0.5), "p99": pct(hop, 0.99)},
+            "legs": hop_summary(ok)}
 
 
 def main() -> None:

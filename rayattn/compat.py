@@ -415,6 +415,38 @@ async def init_openai_state(engine_client: Any, args: Any) -> Any:
     return state
 
 
+def serve_rendered_prompts(state: Any, given: Any) -> bool:
+    """Make the engine's serving layer take prompts the router already rendered: while the
+    context variable `given` holds a request's engine inputs, vLLM's OnlineRenderer returns
+    them instead of rendering the body again (a request without them renders as usual).
+    Everything else in the serving layer (model check, sampling parameters, streaming,
+    parsers of the output) stays vLLM's. False where the installed vLLM's serving objects
+    render through something else: the engine then renders every request itself."""
+    renderers = {id(r): r for s in (state.openai_serving_chat,
+                                    getattr(state, "openai_serving_completion", None))
+                 if s is not None and (r := getattr(s, "online_renderer", None)) is not None}
+    ok = bool(renderers)
+    for r in renderers.values():
+        chat, completion = getattr(r, "render_chat", None), getattr(r, "render_completion", None)
+        if chat is None or completion is None:
+            ok = False
+            continue
+
+        async def render_chat(request: Any, *a: Any, _orig: Any = chat, **kw: Any) -> Any:
+            inputs = given.get()
+            # The conversation is only read to echo the last message; echo is never rendered
+            # by the router (server/rendering.py).
+            return ([], inputs) if inputs is not None else await _orig(request, *a, **kw)
+
+        async def render_completion(request: Any, *a: Any, _orig: Any = completion,
+                                    **kw: Any) -> Any:
+            inputs = given.get()
+            return inputs if inputs is not None else await _orig(request, *a, **kw)
+
+        r.render_chat, r.render_completion = render_chat, render_completion
+    return ok
+
+
 async def render_state(engine_kwargs: dict[str, Any], frontend: dict[str, Any]) -> Any:
     """vLLM's engine-free renderer (what `vllm launch render` serves), for the router: the
     engines' chat template, tokenizer and parsers without an engine or a GPU. Returns the

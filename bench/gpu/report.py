@@ -133,6 +133,16 @@ def routing(path: Path, tok, out: Path) -> dict:
               f"{both('later_ttft_p50_s', '.3f')} | {both('later_ttft_p90_s', '.3f')} | "
               f"{both('output_tok_per_s', '.0f')} | {both('wall_s', '.1f')} | "
               f"{both('max_replica_share', '.2f')} |")
+    print("\nrayattn's way to the first token, p50 / p99 ms per run (driver.hop_summary):")
+    print("| workload | policy | router | to engine | in engine | from engine | outside |"
+          " rendered by router |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        if r.get("stack") != "rayattn" or not r.get("hops"):
+            continue
+        legs = " | ".join(f"{v['p50_ms']:.0f} / {v['p99_ms']:.0f}" for v in r["hops"].values())
+        print(f"| {r['workload']} | {r['policy']} | {legs} | "
+              f"{r.get('rendered_by_router')}/{r['ok']} |")
     print("\nratios rayattn affinity / vllm-router policy (means over repeats):")
     print("| workload | peer policy | hit/oracle | TTFT p50 | TTFT p90 | later p50 | later p90 "
           "| output tok/s | wall |")

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RayattnApp,
@@ -43,6 +45,14 @@ from common import (  # noqa: E402
 )
 
 PEER_PORTS = (8101, 8102)
+
+
+def variant(policy: str) -> tuple[str, dict]:
+    """`affinity@stream_messages_per_s=1e9;stream_interval_ms=20`: a policy with router
+    settings of its own for its runs (applied with the reset, on the same engines)."""
+    name, _, rest = policy.partition("@")
+    return name, {k: yaml.safe_load(v) for k, v in
+                  (kv.split("=", 1) for kv in rest.split(";") if kv)}
 ROUTER_PORT = 8100
 
 
@@ -274,6 +284,11 @@ def main() -> int:
             fail(f"warm-up: {e!r}")
 
         wls = {k: v for k, v in workloads(a.scale).items() if k in a.workloads.split(",")}
+        # Each run sets every setting some variant changes: back to the config's value where
+        # its own variant does not name it.
+        router_cfg = parse_args(args).router.model_dump()
+        base_settings = {k: router_cfg[k] for pol in a.policies.split(",")
+                         for k in variant(pol)[1]}
         plan_runs = []
         for rep in range(a.repeats):
             for wname in wls:
@@ -292,7 +307,10 @@ def main() -> int:
             router = None
             try:
                 if stack == "rayattn":
-                    r = httpx.post(f"{app.url}/admin/reset", json={"policy": pol}, timeout=120)
+                    name_, settings = variant(pol)
+                    r = httpx.post(f"{app.url}/admin/reset", json={
+                        "policy": name_, "settings": {**base_settings, **settings}},
+                        timeout=120)
                     r.raise_for_status()
                     url, before = app.url, None
                 else:
@@ -320,6 +338,9 @@ def main() -> int:
                     f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
                     f"wall={wall:.1f}s moves={s['moves']} regret={s['regret_tokens']} "
                     f"split={s['per_replica']}")
+                if s.get("hops"):
+                    log("  hops p50/p99 ms: " + "  ".join(
+                        f"{k} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for k, v in s["hops"].items()))
             except Exception as e:
                 run["error"] = repr(e)
                 fail(f"{stack} {pol} {wname}: {e!r}")

@@ -42,6 +42,10 @@ class Result:
     engine_itl_s: float | None = None
     router_s: float | None = None
     """The router's own hop: request in → engine call issued."""
+    hops: dict[str, float] | None = None
+    """The rest of the way to the first token: to_engine_s, in_engine_s, from_engine_s."""
+    rendered_by_router: bool | None = None
+    """The engine served the router's rendering of the prompt (render once)."""
     loads: str = ""
     """The router's in-flight estimate per candidate at the decision ("engine-0:3 …")."""
     costs: str = ""
@@ -86,6 +90,7 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   engine_prefill_s=ext.get("engine_prefill_s"),
                   engine_queue_s=ext.get("engine_queue_s"),
                   engine_itl_s=ext.get("engine_itl_s"), router_s=ext.get("router_s"),
+                  hops=ext.get("hops"), rendered_by_router=ext.get("rendered_by_router"),
                   loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")),
                   moved_from=ext.get("moved_from"), regret_tokens=ext.get("regret_tokens") or 0)
 
@@ -191,8 +196,6 @@ def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size
 def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
     ok = [r for r in results if r.status == 200]
     ttfts = sorted(r.ttft_s for r in ok)
-
-
     per_replica: dict[str, int] = {}
     for r in ok:
         per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
@@ -211,7 +214,29 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
         # sent to be recomputed although another replica held them.
         "moves": sum(1 for r in ok if r.moved_from) if ours else None,
         "regret_tokens": sum(r.regret_tokens for r in ok) if ours else None,
+        "hops": hop_summary(ok) if ours else None,
+        "rendered_by_router": sum(1 for r in ok if r.rendered_by_router) if ours else None,
     }
+
+
+def hop_summary(ok: list[Result]) -> dict[str, dict[str, float]]:
+    """Where the time to first token goes, p50 / p99 per leg (ms): the router before the
+    engine call, the call's way to the engine replica, the engine replica until its first
+    item leaves (render, queue, prefill), the item's way back to the router, and the rest
+    (HTTP proxy both ways, the router relaying it, the client)."""
+    legs: dict[str, list[float]] = {k: [] for k in ("router", "to_engine", "in_engine",
+                                                    "from_engine", "outside")}
+    for r in ok:
+        if r.router_s is None or not r.hops:
+            continue
+        h = r.hops
+        legs["router"].append(r.router_s)
+        for k in ("to_engine", "in_engine", "from_engine"):
+            legs[k].append(h[f"{k}_s"])
+        legs["outside"].append(r.ttft_s - r.router_s - sum(h.values()))
+    return {k: {"p50_ms": percentile(sorted(v), 0.5) * 1e3,
+                "p99_ms": percentile(sorted(v), 0.99) * 1e3, "n": len(v)}
+            for k, v in legs.items()}
 
 
 def results_json(results: list[Result]) -> list[dict]:

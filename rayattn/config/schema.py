@@ -230,6 +230,13 @@ class RouterConfig(_Strict):
     replica, the router and the HTTP proxy, which costs more than a GPU decode step;
     merging (like Ray Serve LLM's stream batching) keeps the router off the critical path.
     0 sends every token as it comes."""
+    stream_messages_per_s: float = Field(1000.0, gt=0)
+    """Streaming: the chunk messages per second one router replica aims to relay over all
+    its streams. A stream that starts while n requests are in flight merges its chunks to
+    at most one per max(stream_interval_ms, n / this): at 128 streams of 20 ms chunks each
+    of the three processes on the way (engine replica, router, HTTP proxy) would handle
+    6,400 messages a second, and every new request's first token waits in the same event
+    loops. The first token is never held back."""
     engine_transport: Literal["grpc", "actor"] = "grpc"
     """How the router calls engine replicas. `grpc`: Serve's direct replica-to-replica gRPC
     channel (`_by_reference=False`), one message per streamed chunk on a persistent

@@ -40,6 +40,7 @@ class Observation:
         self.outputs = 0
         self.finished = 0
         """Engine outputs seen so far (the first carries the first token)."""
+        self.rendered_by_router = False
 
     def output(self, out: Any, first_request: bool) -> None:
         self.outputs += 1

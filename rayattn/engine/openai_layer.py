@@ -10,6 +10,8 @@ request did in the engine (rayattn/engine/observed.py) for the router and the me
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import json
 import logging
 import time
@@ -24,6 +26,11 @@ from rayattn.engine.protocol import OpenAIRequest, Reply
 
 log = logging.getLogger("rayattn.engine")
 
+# The engine inputs the router rendered for the request this task serves (read by vLLM's
+# renderer, patched in compat.serve_rendered_prompts).
+_rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
+    "rayattn_rendered", default=None)
+
 
 class OpenAILayer:
     def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
@@ -32,6 +39,10 @@ class OpenAILayer:
         self.completion = state.openai_serving_completion
         self.models = state.openai_serving_models
         self.identity, self.metrics, self.report = identity, metrics, report
+        # Render once: the router has rendered the prompt already (its block hashes come
+        # from it), and rendering a long chat again here costs this process's event loop and
+        # GIL, which also stream every running request's tokens.
+        self.takes_rendered = compat.serve_rendered_prompts(state, _rendered)
 
     @classmethod
     async def create(cls, engine: Any, engine_kwargs: dict[str, Any],
@@ -45,6 +56,18 @@ class OpenAILayer:
         return (await self.models.show_available_models()).model_dump()
 
     async def serve(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
+        received = time.time()
+        first = True
+        # aclosing: a caller that goes away closes this generator, and the inner one must
+        # close now (aborting the engine request), not when it is collected.
+        async with contextlib.aclosing(self._replies(req)) as replies:
+            async for item in replies:
+                if first:
+                    item.stamps = {"engine_in": received, "engine_out": time.time()}
+                    first = False
+                yield item
+
+    async def _replies(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
         try:
             request = compat.openai_model(req.kind).model_validate(req.body)
         except ValidationError as e:  # the router validated it already: a version skew
@@ -52,6 +75,9 @@ class OpenAILayer:
             return
         obs = observed.Observation()
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
+        given = req.engine_inputs if self.takes_rendered else None
+        _rendered.set(given)
+        obs.rendered_by_router = given is not None
         serving = self.chat.create_chat_completion if req.kind == "chat" \
             else self.completion.create_completion
         # Closing this generator cancels the call, which aborts the engine request. A
@@ -94,7 +120,8 @@ class OpenAILayer:
         reply = Reply(data, final=True, prompt_tokens=obs.prompt_tokens,
                       num_cached_tokens=obs.num_cached_tokens,
                       completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
-                      timings=obs.timings, served_by=self.identity, **self.report())
+                      timings=obs.timings, served_by=self.identity,
+                      rendered_by_router=obs.rendered_by_router, **self.report())
         t = obs.timings
         if t and req.log:
             log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, ttft "

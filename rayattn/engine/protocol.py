@@ -22,6 +22,10 @@ class OpenAIRequest:
     origin: str = ""
     """The sending router replica: engines count in-flight requests per origin, so each
     router knows its own share exactly and takes only the others' from the report."""
+    engine_inputs: list[dict[str, Any]] | None = None
+    """vLLM's engine inputs (token ids) as the router's renderer made them from `body`: the
+    engine serves them instead of rendering the body again (server/rendering.py says when
+    the router sends them)."""
 
 
 @dataclass
@@ -50,6 +54,12 @@ class Reply:
     seconds: with several routers a stale report of the others' load fired the guard."""
     inflight_stamp: tuple[int, int] | None = None
     """(engine pid, change counter) of `inflight_by_origin`, so the newest report wins."""
+    stamps: dict[str, float] = field(default_factory=dict)
+    """On the first item: wall-clock times (time.time()) the call reached the engine replica
+    (`engine_in`) and this item left it (`engine_out`); the router adds when it received
+    the item (`router_in`). They split the way to the first token into its hops."""
+    rendered_by_router: bool = False
+    """On the final item: the engine served the router's rendering of the prompt."""
 
 
 class Misrouted(RuntimeError):

@@ -211,6 +211,13 @@ class Dispatcher:
                                "admitted_peak": self.admission.peak}, engines,
                               core.regret_tokens, core.session_moves)
 
+    def stream_interval_s(self) -> float:
+        """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when
+        this router relays so many streams that they would exceed its message budget."""
+        rc = self.cfg.router
+        return max(rc.stream_interval_ms / 1e3,
+                   self.admission.inflight / rc.stream_messages_per_s)
+
     # --- routing ------------------------------------------------------------------------
     def _reject(self, status: int) -> None:
         if self.metrics is not None:
@@ -316,6 +323,7 @@ class Dispatcher:
         gen = None
         try:
             self.core.dispatched(d, route)
+            sent = time.time()
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:
@@ -327,6 +335,8 @@ class Dispatcher:
                     break
                 except Exception as e:
                     raise EngineCallError(e) from e
+                if chunk.stamps and "router_in" not in chunk.stamps:  # the first item
+                    chunk.stamps.update(router_out=sent, router_in=time.time())
                 self.core.first_token(d)
                 if chunk.inflight_by_origin is not None:
                     self.core.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)

@@ -167,8 +167,9 @@ class Ingress:
             return e.response()
         data["request_id"] = rid
         stream = bool(body.stream)
-        oreq = OpenAIRequest(kind, data, rid, self.cfg.router.stream_interval_ms / 1e3,
-                             log=self.cfg.router.log_requests)
+        oreq = OpenAIRequest(kind, data, rid, self.dispatcher.stream_interval_s(),
+                             log=self.cfg.router.log_requests,
+                             engine_inputs=prompt.engine_inputs)
         route = self.dispatcher.core.request(
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
@@ -216,7 +217,7 @@ class Ingress:
         if last.status != 200:
             return _passthrough(last, decision)
         # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
-        return Response(_add_key(last.data, _ext(last, decision, arrived)),
+        return Response(_add_key(last.data, _ext(last, decision, arrived, last.stamps)),
                         media_type="application/json",
                         headers={"x-rayattn-replica": decision.replica})
 
@@ -230,7 +231,7 @@ class Ingress:
             async with asyncio.timeout_at(deadline):
                 while True:
                     if item.final:
-                        yield _with_ext(item.data, _ext(item, decision, arrived))
+                        yield _with_ext(item.data, _ext(item, decision, arrived, head.stamps))
                         return
                     if item.data:
                         yield item.data
@@ -258,14 +259,22 @@ class Ingress:
             if not isinstance(data, dict):
                 raise APIError(400, "request body must be a JSON object")
             # Validate everything before changing anything; unnamed settings stay as they are.
+            # `settings`: other router settings for the runs after this reset (a benchmark's
+            # variants on the same engines), as the router's user_config would set them.
+            settings = data.get("settings") or {}
+            if not isinstance(settings, dict):
+                raise APIError(400, "settings must be an object of router settings",
+                               param="settings")
             now = d.snapshot()
             current = {**self.cfg.router.model_dump(), "policy": now.policy,
                        "index": now.index_mode}
             want = RouterConfig.model_validate(
-                {**current, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
-            if want.index != current["index"]:
+                {**current, **settings,
+                 **{k: data[k] for k in ("policy", "index") if data.get(k)}})
+            wanted = want.model_dump()
+            if {**wanted, "policy": now.policy} != current:
                 # Same path as a live router setting: a new index resyncs from the engines.
-                self.apply_router_config(want.model_dump())
+                self.apply_router_config(wanted)
             policy = await d.reset(want.policy)
         except APIError as e:
             return e.response()
@@ -406,7 +415,7 @@ def _passthrough(reply: Reply, d: Decision) -> Response:
                     headers={"x-rayattn-replica": d.replica})
 
 
-def _ext(last: Any, d: Decision, arrived: float) -> dict:
+def _ext(last: Any, d: Decision, arrived: float, stamps: dict[str, float]) -> dict:
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
             "regret_tokens": d.regret_tokens,
@@ -416,4 +425,16 @@ def _ext(last: Any, d: Decision, arrived: float) -> dict:
             "served_by": last.served_by,
             "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
             # The router's own hop: request in (after the HTTP proxy) → engine call issued.
-            "router_s": round(d.dispatched_at - arrived, 6) if d.dispatched_at else None}
+            "router_s": round(d.dispatched_at - arrived, 6) if d.dispatched_at else None,
+            # The rest of the way to the first token, by wall clock (one host's, or NTP's):
+            # the call's way to the engine replica, the engine's own (render, queue, prefill,
+            # first token), the first chunk's way back to the router.
+            "hops": _hops(stamps), "rendered_by_router": last.rendered_by_router}
+
+
+def _hops(s: dict[str, float]) -> dict[str, float] | None:
+    if not {"router_out", "engine_in", "engine_out", "router_in"} <= set(s):
+        return None
+    return {"to_engine_s": round(s["engine_in"] - s["router_out"], 6),
+            "in_engine_s": round(s["engine_out"] - s["engine_in"], 6),
+            "from_engine_s": round(s["router_in"] - s["engine_out"], 6)}

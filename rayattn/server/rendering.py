@@ -1,8 +1,13 @@
 """The router's prompt rendering: vLLM's own renderer, configured as the engines' serving
 layer is (same chat template, tokenizer, parsers, frontend settings), so the token ids the
-router hashes into KV blocks are the ones the engine will cache. The engine renders the
-request again in its serving layer; tests/integration/test_openai_surface.py checks that both
-give the same ids (tools and chat_template_kwargs included)."""
+router hashes into KV blocks are the ones the engine will cache.
+
+Render once: the engine serves the router's rendering (`Rendered.engine_inputs`) instead of
+rendering the body again, when nothing but token ids is needed from it: a text prompt, no
+echo (vLLM echoes from its own rendering), and no tool or reasoning parser (vLLM's parsers
+adjust the request while rendering it). Other requests are rendered again by the engine;
+tests/integration/test_openai_surface.py checks that both give the same ids (tools and
+chat_template_kwargs included)."""
 
 from __future__ import annotations
 
@@ -14,15 +19,37 @@ from rayattn.config.schema import RayAttnConfig
 
 
 class Rendered:
-    def __init__(self, token_ids: list[int], text: str) -> None:
+    def __init__(self, token_ids: list[int], text: str,
+                 engine_inputs: list[dict[str, Any]] | None = None) -> None:
         self.token_ids = token_ids
         self.text = text
         """The prompt's text as the client sent it (ray_prefix routes on characters)."""
+        self.engine_inputs = engine_inputs
+        """What the engine may serve as it is (None: the engine renders the body itself)."""
+
+
+# What a plain tokens prompt holds. The router's arrival time is left out: the engine
+# stamps its own (its clock, its queue).
+_TOKEN_INPUT_KEYS = frozenset({"type", "prompt_token_ids", "prompt", "cache_salt",
+                               "arrival_time"})
+
+
+def _reusable(inputs: list[Any]) -> list[dict[str, Any]] | None:
+    if len(inputs) != 1:
+        return None
+    (one,) = inputs
+    if not isinstance(one, dict) or one.get("type") != "token" or not set(one) <= \
+            _TOKEN_INPUT_KEYS:
+        return None  # multimodal, embeddings, encoder-decoder: the engine renders those
+    return [{k: v for k, v in one.items() if k != "arrival_time"}]
 
 
 class PromptRenderer:
     def __init__(self, renderer: Any) -> None:
         self._vllm = renderer
+        # vLLM's parsers adjust a chat request while rendering it (tool grammars, reasoning):
+        # the engine must then render it itself, to have its own request adjusted.
+        self._chat_reusable = getattr(renderer, "parser", "unknown") is None
 
     @classmethod
     async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
@@ -44,13 +71,16 @@ class PromptRenderer:
             _, inputs = out
             text = "\n".join(_text(m.get("content")) for m in request.messages
                              if isinstance(m, dict))
+            reusable = self._chat_reusable and not request.echo
         else:
             inputs = await self._vllm.render_completion(request)
             if isinstance(inputs, compat.openai_model("error")):
                 return inputs
             p = request.prompt
             text = p if isinstance(p, str) else (p[0] if p and isinstance(p[0], str) else "")
-        return Rendered(compat.prompt_token_ids(inputs[0]) if inputs else [], text)
+            reusable = not request.echo
+        return Rendered(compat.prompt_token_ids(inputs[0]) if inputs else [], text,
+                        _reusable(inputs) if reusable else None)
 
 
 def _text(content: Any) -> str:

@@ -151,6 +151,7 @@ def test_probes_under_saturation_never_mark_a_replica_down(server):
 def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset, tokenizer):
     """`predicted` (the router's own LRU guess) and back to `events`, on the running router:
     each mode serves a multi-turn run whose later turns find their history."""
+    limit = health(server)["limits"]["max_inflight"]
     try:
         for mode in ("predicted", "events"):
             r = httpx.post(f"{server}/admin/reset", json={"policy": "affinity", "index": mode},
@@ -166,5 +167,16 @@ def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset
         bad = httpx.post(f"{server}/admin/reset", json={"index": "guess"}, timeout=60)
         assert bad.status_code == 400 and "index" in bad.text, bad.text
         assert health(server)["index"] == "events"
+        # Other router settings ride on a reset (a benchmark's variants), validated first.
+        bad = httpx.post(f"{server}/admin/reset", json={"settings": {"max_inflight": -1}},
+                         timeout=60)
+        assert bad.status_code == 400 and "max_inflight" in bad.text, bad.text
+        assert health(server)["limits"]["max_inflight"] == limit
+        r = httpx.post(f"{server}/admin/reset", json={"settings": {"max_inflight": limit + 7}},
+                       timeout=60)
+        assert r.status_code == 200 and health(server)["limits"]["max_inflight"] == limit + 7
+        assert health(server)["index"] == "events"
     finally:
-        httpx.post(f"{server}/admin/reset", json={"index": "events"}, timeout=60)
+        httpx.post(f"{server}/admin/reset", json={"index": "events",
+                                                  "settings": {"max_inflight": limit}},
+                   timeout=60)

@@ -38,6 +38,31 @@ def test_cached_tokens_are_exact(client):
     assert second.usage.prompt_tokens_details.cached_tokens == (p - 1) // block * block
 
 
+def test_engine_serves_the_routers_rendering_once(client):
+    """A plain chat is rendered once, by the router, and the engine serves those token ids;
+    an echo needs the engine's own rendering. Both answer the same question the same way,
+    and the router reports the way to the first token leg by leg."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           max_tokens=12)
+    echo = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                          max_tokens=12, extra_body={"echo": True})
+    assert plain.model_extra["rayattn"]["rendered_by_router"] is True
+    assert echo.model_extra["rayattn"]["rendered_by_router"] is False
+    assert plain.usage.prompt_tokens == echo.usage.prompt_tokens
+    assert "Paris" in plain.choices[0].message.content
+    assert echo.choices[0].message.content.endswith(plain.choices[0].message.content)
+    hops = plain.model_extra["rayattn"]["hops"]
+    assert set(hops) == {"to_engine_s", "in_engine_s", "from_engine_s"}
+    # One host's clock: each leg is non-negative (to the clock's resolution) and shorter
+    # than the whole request.
+    assert all(-1e-3 < v < 60 for v in hops.values()), hops
+    text = client.completions.create(model=MODEL, prompt="The capital of France is",
+                                     max_tokens=3, temperature=0, echo=True)
+    assert text.choices[0].text.startswith("The capital of France is")
+    assert text.model_extra["rayattn"]["rendered_by_router"] is False
+
+
 def test_completions_endpoint(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is",
                                   max_tokens=5, temperature=0)
