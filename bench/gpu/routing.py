@@ -206,6 +206,9 @@ def main() -> int:
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--one-gpu", action="store_true",
                     help="two engines per stack on GPU 0 (the single-GPU kinds)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted override of the deployment's args for rayattn, e.g. "
+                         "serve.ingress_replicas=4 (repeatable)")
     ap.add_argument("--think-s", type=float, default=0.0,
                     help="a uniform 0..think_s pause before a conversation's next turn")
     a = ap.parse_args()
@@ -220,15 +223,14 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
 
+    over = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.set)}
     if a.one_gpu:
         # Both engines on device 0: Ray still hands each replica "one GPU" of the two it is
         # told exist, but does not narrow CUDA_VISIBLE_DEVICES, so each sees GPU 0. vLLM
         # checks at start-up that gpu_memory_utilization × the GPU is free: 0.3 each.
-        args = rayattn_args(a.config, a.model, **{
-            "engine.gpu_memory_utilization": 0.3,
-            "engine.env": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}})
-    else:
-        args = rayattn_args(a.config, a.model)
+        over = {"engine.gpu_memory_utilization": 0.3,
+                "engine.env": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, **over}
+    args = rayattn_args(a.config, a.model, **over)
     name = args["model"]["served_name"]
     plan = build_plan(parse_args(args), prepare_model=True)
     report: dict = {"args": vars(a), "rayattn_args": args, "plan": plan.describe(),
