@@ -74,6 +74,12 @@ class Ingress:
         (a health probe, usually) so that no request waits for it."""
         await self.dispatcher.start()
         if self._renderer_building is None:
+            if slow := os.environ.get("RAYATTN_SLOW_CALLBACK_S"):
+                # Diagnosis (bench/gpu/profile_router.sh): asyncio logs every step that holds
+                # this loop longer than this, i.e. what delays every other request.
+                loop = asyncio.get_running_loop()
+                loop.set_debug(True)
+                loop.slow_callback_duration = float(slow)
             self._renderer_building = asyncio.get_running_loop().create_task(
                 PromptRenderer.create(self.cfg, self.engine_kwargs))
 
