@@ -38,8 +38,9 @@ ROUTER_SERVE_CAP = 100_000
 # Ray Serve runs a replica's user code on a second event loop in another thread, and its
 # handles' routing on a third, by default; every request and every streamed chunk then
 # crosses threads. The router is all asyncio (nothing blocks its loop for long: templating
-# runs in a worker thread), so it runs on the replica's main loop. Engines keep the
-# default: vLLM's output handling must not stall Serve's health checks.
+# runs in a worker thread), so it runs on the replica's main loop unless serve.router_loop
+# says otherwise. Engines keep the default: vLLM's output handling must not stall Serve's
+# health checks.
 ROUTER_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
 
@@ -94,8 +95,10 @@ def build_app(args: dict[str, Any]) -> Application:
     router_opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
-                           "runtime_env": {"env_vars": {"PYTHONHASHSEED": cfg.engine.hash_seed,
-                                                        **ROUTER_SERVE_ENV}}},
+                           "runtime_env": {"env_vars": {
+                               "PYTHONHASHSEED": cfg.engine.hash_seed,
+                               **(ROUTER_SERVE_ENV if cfg.serve.router_loop == "main"
+                                  else {})}}},
         max_ongoing_requests=ROUTER_SERVE_CAP,
         graceful_shutdown_timeout_s=cfg.serve.graceful_shutdown_timeout_s,
         # Routers are cheap (no devices): on an update the new one starts before the old

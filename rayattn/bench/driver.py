@@ -44,6 +44,11 @@ class Result:
     """The router's own hop: request in → engine call issued."""
     hops: dict[str, float] | None = None
     """The rest of the way to the first token: to_engine_s, in_engine_s, from_engine_s."""
+    to_router_s: float | None = None
+    """Client send → the router's handler (HTTP proxy, Serve's hand-off), by wall clock."""
+    back_to_client_s: float | None = None
+    """The first item at the router → the first token at the client (the router relaying
+    it, the HTTP proxy, the client's own parsing), by wall clock."""
     rendered_by_router: bool | None = None
     """The engine served the router's rendering of the prompt (render once)."""
     loads: str = ""
@@ -60,8 +65,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                conv: Conversation, turn: int, t_origin: float) -> Result:
     body = {"model": model, "messages": messages, "max_tokens": conv.max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
-    t0 = time.monotonic()
-    ttft, text, usage, ext, status = None, [], {}, {}, 0
+    t0, sent_at = time.monotonic(), time.time()
+    ttft, first_at, text, usage, ext, status = None, None, [], {}, {}, 0
     async with client.stream("POST", f"{url}/v1/chat/completions", json=body,
                              headers={"x-session-id": conv.session}) as r:
         status = r.status_code
@@ -74,7 +79,8 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                 break
             for ch in ev.get("choices", []):
                 if ch["delta"].get("content"):
-                    ttft = ttft or time.monotonic() - t0
+                    if ttft is None:
+                        ttft, first_at = time.monotonic() - t0, time.time()
                     text.append(ch["delta"]["content"])
             usage = ev.get("usage") or usage
             ext = ev.get("rayattn") or ext
@@ -91,8 +97,14 @@ async def _one(client: httpx.AsyncClient, url: str, model: str, messages: list[d
                   engine_queue_s=ext.get("engine_queue_s"),
                   engine_itl_s=ext.get("engine_itl_s"), router_s=ext.get("router_s"),
                   hops=ext.get("hops"), rendered_by_router=ext.get("rendered_by_router"),
+                  to_router_s=_since(sent_at, ext.get("arrived_at")),
+                  back_to_client_s=_since(ext.get("first_item_at"), first_at),
                   loads=_pairs(ext.get("loads")), costs=_pairs(ext.get("costs")),
                   moved_from=ext.get("moved_from"), regret_tokens=ext.get("regret_tokens") or 0)
+
+
+def _since(start: float | None, end: float | None) -> float | None:
+    return end - start if start is not None and end is not None else None
 
 
 def _pairs(d: dict[str, Any] | None) -> str:
@@ -220,12 +232,14 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
 
 
 def hop_summary(ok: list[Result]) -> dict[str, dict[str, float]]:
-    """Where the time to first token goes, p50 / p99 per leg (ms): the router before the
-    engine call, the call's way to the engine replica, the engine replica until its first
-    item leaves (render, queue, prefill), the item's way back to the router, and the rest
-    (HTTP proxy both ways, the router relaying it, the client)."""
-    legs: dict[str, list[float]] = {k: [] for k in ("router", "to_engine", "in_engine",
-                                                    "from_engine", "outside")}
+    """Where the time to first token goes, p50 / p99 per leg (ms): the client's request to
+    the router's handler, the router before the engine call, the call's way to the engine
+    replica, the engine replica until its first item leaves (render, queue, prefill), the
+    item's way back to the router, and from there to the client's first token; `outside`
+    is the sum of the client's legs (client TTFT minus the rest)."""
+    legs: dict[str, list[float]] = {k: [] for k in (
+        "to_router", "router", "to_engine", "in_engine", "from_engine", "back_to_client",
+        "outside")}
     for r in ok:
         if r.router_s is None or not r.hops:
             continue
@@ -234,6 +248,9 @@ def hop_summary(ok: list[Result]) -> dict[str, dict[str, float]]:
         for k in ("to_engine", "in_engine", "from_engine"):
             legs[k].append(h[f"{k}_s"])
         legs["outside"].append(r.ttft_s - r.router_s - sum(h.values()))
+        if r.to_router_s is not None and r.back_to_client_s is not None:
+            legs["to_router"].append(r.to_router_s)
+            legs["back_to_client"].append(r.back_to_client_s)
     return {k: {"p50_ms": percentile(sorted(v), 0.5) * 1e3,
                 "p99_ms": percentile(sorted(v), 0.99) * 1e3, "n": len(v)}
             for k, v in legs.items()}

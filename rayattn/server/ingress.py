@@ -11,7 +11,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, NamedTuple
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -144,7 +144,7 @@ class Ingress:
         return out
 
     async def handle(self, request: Request, kind: str) -> Response:
-        request.state.arrived = time.perf_counter()
+        request.state.arrived = Arrival(time.perf_counter(), time.time())
         try:
             rid = request_id(request)
         except APIError as e:
@@ -204,7 +204,7 @@ class Ingress:
                            headers={"x-rayattn-replica": decision.replica})
         return await self._complete(oreq, route, arrived, slot)
 
-    async def _complete(self, req: OpenAIRequest, route: Any, arrived: float,
+    async def _complete(self, req: OpenAIRequest, route: Any, arrived: Arrival,
                         slot: Slot) -> Response:
         last, decision = None, None
         try:
@@ -228,7 +228,7 @@ class Ingress:
                         headers={"x-rayattn-replica": decision.replica})
 
     async def _sse(self, head: Reply, decision: Decision,
-                   items: AsyncIterator[tuple[Reply, Decision]], arrived: float,
+                   items: AsyncIterator[tuple[Reply, Decision]], arrived: Arrival,
                    deadline: float) -> AsyncIterator[str]:
         """vLLM's SSE events as the engine produced them; the router's own account of the
         request (`rayattn`) rides on the last event before [DONE]."""
@@ -421,7 +421,15 @@ def _passthrough(reply: Reply, d: Decision) -> Response:
                     headers={"x-rayattn-replica": d.replica})
 
 
-def _ext(last: Any, d: Decision, arrived: float, stamps: dict[str, float]) -> dict:
+class Arrival(NamedTuple):
+    """When a request reached the router's handler: perf_counter for its own hop, wall clock
+    to set against the client's and the engine's stamps."""
+
+    perf: float
+    wall: float
+
+
+def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> dict:
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
             "regret_tokens": d.regret_tokens,
@@ -431,11 +439,15 @@ def _ext(last: Any, d: Decision, arrived: float, stamps: dict[str, float]) -> di
             "served_by": last.served_by,
             "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
             # The router's own hop: request in (after the HTTP proxy) → engine call issued.
-            "router_s": round(d.dispatched_at - arrived, 6) if d.dispatched_at else None,
+            "router_s": round(d.dispatched_at - arrived.perf, 6) if d.dispatched_at else None,
             # The rest of the way to the first token, by wall clock (one host's, or NTP's):
             # the call's way to the engine replica, the engine's own (render, queue, prefill,
             # first token), the first chunk's way back to the router.
-            "hops": _hops(stamps), "rendered_by_router": last.rendered_by_router}
+            "hops": _hops(stamps),
+            # Wall clock: the client's way in (to this handler) and the first item's way out
+            # (from here) are measured against these.
+            "arrived_at": arrived.wall, "first_item_at": stamps.get("router_in"),
+            "rendered_by_router": last.rendered_by_router}
 
 
 def _hops(s: dict[str, float]) -> dict[str, float] | None:
