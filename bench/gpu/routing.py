@@ -218,7 +218,7 @@ def main() -> int:
     logdir = Path("/tmp/rayattn-gpu/logs")
     logdir.mkdir(parents=True, exist_ok=True)
 
-    from rayattn.bench.driver import results_json, run_workload, summarize
+    from rayattn.bench.driver import CLIENT_STALLS, results_json, run_workload, summarize
     from rayattn.bench.stats import percentile
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
@@ -330,6 +330,11 @@ def main() -> int:
                 else:
                     run["router_counts"] = httpx.get(f"{app.url}/health",
                                                      timeout=30).json().get("counts")
+                    stalls = {k: v for k, v in run["router_counts"].items()
+                              if k.startswith(("loop_", "gc_"))}
+                    log(f"  router stalls since start: {stalls}")
+                run["client_stalls"] = dict(CLIENT_STALLS)
+                log(f"  client stalls: {CLIENT_STALLS}")
                 run["summary"], run["results"] = s, results_json(res)
                 later = sorted(x.ttft_s for x in res if x.status == 200 and x.turn > 0)
                 s["later_ttft_p50_s"] = percentile(later, 0.5)

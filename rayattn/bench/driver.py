@@ -111,6 +111,10 @@ def _pairs(d: dict[str, Any] | None) -> str:
     return " ".join(f"{k}:{v}" for k, v in sorted((d or {}).items()))
 
 
+CLIENT_STALLS: dict[str, float] = {}
+"""The last run_workload's client stalls (LoopWatch.counts)."""
+
+
 async def run_workload(url: str | list[str], model: str, workload: Workload,
                        concurrency: int = 8, timeout: float = 300, rate: float | None = None,
                        seed: int = 0, progress: bool = False,
@@ -151,9 +155,16 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
                     await asyncio.sleep(pause.uniform(0, think_s))
 
     limits = httpx.Limits(max_connections=concurrency * 2)
+    # The client's own stalls: a stalled client delays the TTFT it measures.
+    from rayattn.server.loop_watch import LoopWatch
+
+    watch = LoopWatch()
+    watch.start()
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         await asyncio.gather(*(conversation(c, client, s)
                                for c, s in zip(workload.conversations, starts, strict=True)))
+    watch.stop()
+    CLIENT_STALLS.update(watch.counts())
     if progress:
         print()
     return results, time.monotonic() - t_origin

@@ -30,6 +30,7 @@ from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.server.background import detached
 from rayattn.server.errors import APIError, EngineFailure, engine_raised
 from rayattn.server.kv_feeds import KVFeeds
+from rayattn.server.loop_watch import LoopWatch
 from rayattn.server.pinning import PinnedHandle
 from rayattn.server.replica_set import Replica, ReplicaSet, engine_dead
 
@@ -99,7 +100,7 @@ class RouterSnapshot:
     policy: str
     index_mode: str
     max_inflight: int
-    counts: dict[str, int]
+    counts: dict[str, float]
     engines: dict[str, EngineStatus] = field(default_factory=dict)
     regret_tokens: dict[str, int] = field(default_factory=dict)
     """By decision reason, since start or the last reset (routing/core.py)."""
@@ -122,6 +123,7 @@ class Dispatcher:
         self.admission = Admission(cfg.router.max_inflight)
         self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
         self._metrics_task: asyncio.Task | None = None
+        self.stalls = LoopWatch()
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -129,6 +131,7 @@ class Dispatcher:
 
     async def start(self) -> None:
         await self.fleet.start()
+        self.stalls.start()
         if self._metrics_task is None:
             self._metrics_task = detached(self._report_loop())
 
@@ -208,7 +211,8 @@ class Dispatcher:
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, "admitted_now": self.admission.inflight,
-                               "admitted_peak": self.admission.peak}, engines,
+                               "admitted_peak": self.admission.peak,
+                               **self.stalls.counts()}, engines,
                               core.regret_tokens, core.session_moves)
 
     def stream_interval_s(self) -> float:

@@ -82,3 +82,25 @@ def test_stream_chunks_coarsen_with_the_streams_in_flight():
     for _ in range(128):
         d.admission.acquire()
     assert abs(interval(d) - 0.128) < 1e-9  # 128 streams share 1000 messages a second
+
+
+def test_loop_watch_sees_a_held_loop_and_lets_go_of_the_collector():
+    import gc
+    import time
+
+    from rayattn.server.loop_watch import LoopWatch
+
+    async def go() -> LoopWatch:
+        w = LoopWatch(slow_s=0.1)
+        w.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.2)  # holds the loop, as a long callback would
+        await asyncio.sleep(0.05)
+        gc.collect()
+        w.stop()
+        return w
+    w = asyncio.run(go())
+    c = w.counts()
+    assert c["loop_lag_slow"] >= 1 and c["loop_lag_max_ms"] >= 150
+    assert c["gc_max_ms"] > 0
+    assert w._gc not in gc.callbacks
