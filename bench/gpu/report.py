@@ -134,12 +134,15 @@ def routing(path: Path, tok, out: Path) -> dict:
               f"{both('output_tok_per_s', '.0f')} | {both('wall_s', '.1f')} | "
               f"{both('max_replica_share', '.2f')} |")
     print("\nrayattn's way to the first token, p50 / p99 ms per run (driver.hop_summary):")
-    print("| workload | policy | router | to engine | in engine | from engine | outside |"
-          " rendered by router |")
-    print("|---|---|---|---|---|---|---|---|")
+    header = False
     for r in rows:
         if r.get("stack") != "rayattn" or not r.get("hops"):
             continue
+        if not header:
+            print("| workload | policy | " + " | ".join(k.replace("_", " ") for k in r["hops"])
+                  + " | rendered by router |")
+            print("|---|---|" + "---|" * (len(r["hops"]) + 1))
+            header = True
         legs = " | ".join(f"{v['p50_ms']:.0f} / {v['p99_ms']:.0f}" for v in r["hops"].values())
         print(f"| {r['workload']} | {r['policy']} | {legs} | "
               f"{r.get('rendered_by_router')}/{r['ok']} |")
