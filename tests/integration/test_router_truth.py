@@ -73,9 +73,14 @@ def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
         o = oracle(res, wl, tokenizer, BLOCK)
         print(f"\ntwo routers: {s} {o}")
         assert s["ok"] == 24
-        assert s["hit_rate"] >= 0.97 * o["oracle_block_hit_rate"]
         later = [r for r in res if r.turn > 0]
+        # Each router knew exactly what the engine held, history the other one placed
+        # included. A router may still choose to move one conversation (its cost model, with
+        # the other router's load known only from engine reports); a router blind to the
+        # other's history would miss on most later turns.
         assert all(r.predicted_cached_tokens == r.cached_tokens for r in later)
+        assert sum(1 for r in later if r.moved_from) <= 1, [r.reason for r in later]
+        assert s["hit_rate"] >= 0.9 * o["oracle_block_hit_rate"]
         time.sleep(1.0)  # let the last events land on both
         a, b = health(server)["engines"], health(other)["engines"]
         for name in a:
