@@ -512,15 +512,25 @@ def parser_names(kind: str) -> frozenset[str] | None:
 
 
 def engine_args(engine_kwargs: dict[str, Any]) -> Any:
-    """vLLM's AsyncEngineArgs from rayattn's engine arguments. Config sections given as
-    mappings in YAML (engine.extra_engine_kwargs) become vLLM's config objects where vLLM
-    does not convert them itself (structured_outputs_config)."""
+    """vLLM's AsyncEngineArgs from rayattn's engine arguments."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    return AsyncEngineArgs(**config_objects(engine_kwargs))
+
+
+def config_objects(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Config sections given as mappings (engine.extra_engine_kwargs in YAML, the plan's
+    kv_transfer_config) as vLLM's config objects, where AsyncEngineArgs does not convert
+    them itself."""
     kw = dict(engine_kwargs)
     so = kw.get("structured_outputs_config")
     if isinstance(so, dict):
         from vllm.config import StructuredOutputsConfig
 
         kw["structured_outputs_config"] = StructuredOutputsConfig(**so)
-    return AsyncEngineArgs(**kw)
+    kt = kw.get("kv_transfer_config")
+    if isinstance(kt, dict):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kt)
+    return kw

@@ -26,6 +26,9 @@ class Architecture:
     is_moe: bool
     source: str
     """Where the facts came from (shown by `rayattn check`)."""
+    num_layers: int | None = None
+    """Attention layers (num_hidden_layers): what KV bytes per token scale with; None when
+    unknown (then `rayattn check` prints no KV capacity)."""
 
     @property
     def kind(self) -> str:
@@ -48,34 +51,36 @@ def from_hf_config(cfg: dict, source: str) -> Architecture:
     )
     # GPT-OSS declares sinks only implicitly through its model type.
     has_sinks = bool(text.get("sinks") or text.get("model_type") == "gpt_oss")
-    return Architecture(is_mla, heads, kv_heads, head_dim, has_sinks, is_moe, source)
+    layers = text.get("num_hidden_layers")
+    return Architecture(is_mla, heads, kv_heads, head_dim, has_sinks, is_moe, source,
+                        int(layers) if layers else None)
 
 
 # Facts of production models whose weights are not on this machine, from their config.json.
 KNOWN: dict[str, dict] = {
     "deepseek-ai/DeepSeek-R1-0528": dict(is_mla=True, num_attention_heads=128,
                                          num_key_value_heads=1, head_dim=576,
-                                         has_sinks=False, is_moe=True),
+                                         has_sinks=False, is_moe=True, num_layers=61),
     "deepseek-ai/DeepSeek-R1": dict(is_mla=True, num_attention_heads=128, num_key_value_heads=1,
-                                    head_dim=576, has_sinks=False, is_moe=True),
+                                    head_dim=576, has_sinks=False, is_moe=True, num_layers=61),
     "deepseek-ai/DeepSeek-V3": dict(is_mla=True, num_attention_heads=128, num_key_value_heads=1,
-                                    head_dim=576, has_sinks=False, is_moe=True),
+                                    head_dim=576, has_sinks=False, is_moe=True, num_layers=61),
     "moonshotai/Kimi-K2-Instruct": dict(is_mla=True, num_attention_heads=64,
                                         num_key_value_heads=1, head_dim=576, has_sinks=False,
-                                        is_moe=True),
+                                        is_moe=True, num_layers=61),
     "Qwen/Qwen3-235B-A22B-Instruct-2507-FP8": dict(is_mla=False, num_attention_heads=64,
                                                    num_key_value_heads=4, head_dim=128,
-                                                   has_sinks=False, is_moe=True),
+                                                   has_sinks=False, is_moe=True, num_layers=94),
     "Qwen/Qwen3-32B": dict(is_mla=False, num_attention_heads=64, num_key_value_heads=8,
-                           head_dim=128, has_sinks=False, is_moe=False),
+                           head_dim=128, has_sinks=False, is_moe=False, num_layers=64),
     "meta-llama/Llama-3.3-70B-Instruct": dict(is_mla=False, num_attention_heads=64,
                                               num_key_value_heads=8, head_dim=128,
-                                              has_sinks=False, is_moe=False),
+                                              has_sinks=False, is_moe=False, num_layers=80),
     "meta-llama/Llama-3.1-8B-Instruct": dict(is_mla=False, num_attention_heads=32,
                                              num_key_value_heads=8, head_dim=128,
-                                             has_sinks=False, is_moe=False),
+                                             has_sinks=False, is_moe=False, num_layers=32),
     "openai/gpt-oss-120b": dict(is_mla=False, num_attention_heads=64, num_key_value_heads=8,
-                                head_dim=64, has_sinks=True, is_moe=True),
+                                head_dim=64, has_sinks=True, is_moe=True, num_layers=36),
 }
 
 
@@ -112,12 +117,14 @@ def lookup(model: ModelConfig, prepare: bool = False) -> Architecture:
         return Architecture(**KNOWN[model.source], source="rayattn built-in table")
     if local is not None and local.name in {"SmolLM2-135M-Instruct"}:
         # Embedded model not prepared yet: its facts are fixed by the GGUF we ship.
-        return Architecture(False, 9, 3, 64, False, False, source="rayattn built-in table")
+        return Architecture(False, 9, 3, 64, False, False, source="rayattn built-in table",
+                            num_layers=30)
     if model.architecture is not None:
         a = model.architecture
         return Architecture(a.is_mla, a.num_attention_heads,
                             a.num_key_value_heads or a.num_attention_heads, a.head_dim,
-                            a.has_sinks, a.is_moe, source="model.architecture in YAML")
+                            a.has_sinks, a.is_moe, source="model.architecture in YAML",
+                            num_layers=a.num_layers)
     raise ValueError(
         f"model.source: cannot find config.json for {model.source!r} (not a local directory, "
         "not in the Hugging Face cache, not in rayattn's table of known models); declare "

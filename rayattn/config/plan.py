@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from rayattn import backends
+from rayattn.config import kv_capacity
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
 from rayattn.config.schema import RayAttnConfig
 from rayattn.routing import policies
@@ -55,6 +56,41 @@ class Plan:
         return 0 if self.config.platform.kind == "cpu" else \
             self.config.parallelism.gpus_per_replica
 
+    @property
+    def engines_per_node(self) -> int:
+        """Engine replicas one GPU node holds (each owns TP × PP of its GPUs)."""
+        per = self.gpus_per_replica
+        return self.config.platform.gpus_per_node // per if per else 1
+
+    @property
+    def kv_bytes_per_token(self) -> int | None:
+        c = self.config
+        return kv_capacity.bytes_per_token(
+            self.arch, c.attention.kv_cache_dtype,
+            kv_capacity.native_bytes(c.model.dtype, c.platform.kind))
+
+    def _kv_text(self) -> list[str]:
+        c = self.config
+        per_token = self.kv_bytes_per_token
+        native = kv_capacity.native_bytes(c.model.dtype, c.platform.kind)
+        lines = []
+        if per_token:
+            allowed = self.backend.kv_dtypes
+            lever = ", ".join(f"{k}{'' if k in allowed else '*'} {v:,}" for k, v in
+                              kv_capacity.levers(self.arch, native).items())
+            lines.append(f"kv format:  {per_token:,} B/token with kv_cache_dtype="
+                         f"{c.attention.kv_cache_dtype}; tokens per GiB: {lever}"
+                         + (f" (* not with {self.backend.name})" if "*" in lever else ""))
+        off = c.engine.kv_offload
+        if off.enabled:
+            tokens = f" ≈ {int(off.size_gib * kv_capacity.GIB // per_token):,} tokens" \
+                if per_token and off.backend == "native" else ""
+            lines.append(f"kv tiers:   GPU + host {off.size_gib:g} GiB per engine "
+                         f"({off.backend}{tokens}), {self.engines_per_node} engine(s) per "
+                         f"node = {off.size_gib * self.engines_per_node:g} GiB of "
+                         f"{c.platform.host_memory_gib} GiB host memory")
+        return lines
+
     def describe(self) -> str:
         c = self.config
         lines = [
@@ -73,6 +109,7 @@ class Plan:
             f" DP-attention={c.parallelism.dp_attention}",
             f"replicas:   {self._replicas_text()} engine replica(s) (DP), "
             f"{c.serve.ingress_replicas} router replica(s), policy={c.router.policy}",
+            *self._kv_text(),
             f"placement:  {self.strategy} {self.bundles} per replica",
             "env:        " + ", ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
         ]
@@ -154,8 +191,47 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
             and cfg.engine.max_num_batched_tokens < cfg.model.max_model_len):
         p.append("engine.max_num_batched_tokens: must be ≥ model.max_model_len when "
                  "enable_chunked_prefill is false")
+    p += _check_kv_formats(cfg, arch)
     p += _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
     p += _check_frontend(cfg.model)
+    return p
+
+
+HOST_RESERVE_GIB_PER_GPU = 32
+"""Host memory kept for each GPU's engine processes (weights staging, Python, NCCL) before
+any goes to KV offloading."""
+
+
+def _check_kv_formats(cfg: RayAttnConfig, arch: Architecture) -> list[str]:
+    """KV dtypes that do not apply to the model, and a host tier that cannot run or does
+    not fit the node."""
+    p: list[str] = []
+    dtype, plat = cfg.attention.kv_cache_dtype, cfg.platform
+    if dtype == "fp8_ds_mla" and not arch.is_mla:
+        p.append("attention.kv_cache_dtype: fp8_ds_mla is DeepSeek's MLA latent format; "
+                 "the model uses MHA (use fp8 or a turboquant_* preset)")
+    if dtype.startswith("turboquant_") and arch.is_mla:
+        p.append(f"attention.kv_cache_dtype: {dtype} packs MHA keys and values; for MLA "
+                 "use fp8 or fp8_ds_mla")
+    off = cfg.engine.kv_offload
+    if not off.enabled:
+        return p
+    if plat.kind == "cpu":
+        p.append("engine.kv_offload: vLLM's CPU build has no KV offloading (the KV cache is "
+                 "already in host memory); set size_gib 0 on platform.kind cpu")
+        return p
+    if not cfg.engine.enable_prefix_caching:
+        p.append("engine.kv_offload: offloaded blocks are found by their prefix hashes; "
+                 "needs engine.enable_prefix_caching")
+    per = cfg.parallelism.gpus_per_replica
+    engines = max(1, plat.gpus_per_node // per)
+    need = engines * off.size_gib
+    room = plat.host_memory_gib - HOST_RESERVE_GIB_PER_GPU * plat.gpus_per_node
+    if off.backend == "native" and need > room:
+        p.append(f"engine.kv_offload.size_gib: {engines} engine(s) per node × "
+                 f"{off.size_gib:g} GiB = {need:g} GiB of pinned host memory, but a node "
+                 f"has {room} GiB for it (platform.host_memory_gib {plat.host_memory_gib} "
+                 f"less {HOST_RESERVE_GIB_PER_GPU} GiB per GPU for the engine processes)")
     return p
 
 
@@ -297,6 +373,16 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
     )
     if par.all2all_backend:
         kw["all2all_backend"] = par.all2all_backend
+    if e.kv_offload.enabled:
+        kw["kv_offloading_size"] = e.kv_offload.size_gib
+        kw["kv_offloading_backend"] = e.kv_offload.backend
+        if e.kv_offload.backend == "native" and e.kv_events:
+            # vLLM fills in the connector and its CPU bytes from kv_offloading_size; this
+            # only asks it to publish the tier's blocks with their real block hashes (and
+            # tokens), which the routers' index keys on.
+            kw["kv_transfer_config"] = {
+                "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
+                "kv_connector_extra_config": {"self_describing_kv_events": True}}
     if par.gpus_per_replica > 1 or dp_inner > 1:
         kw["distributed_executor_backend"] = "ray"
     kw = {k: v for k, v in kw.items() if v is not None}

@@ -72,6 +72,8 @@ class ArchitectureOverride(_Strict):
     """Model uses attention sinks (GPT-OSS); only some backends support them."""
     is_moe: bool = False
     """Mixture-of-experts model; expert parallelism applies only to these."""
+    num_layers: PositiveInt | None = None
+    """Attention layers (num_hidden_layers); lets `rayattn check` print KV tokens per GiB."""
 
 
 class ModelConfig(_Strict):
@@ -142,6 +144,28 @@ class ParallelismConfig(_Strict):
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+class KVOffloadConfig(_Strict):
+    """A second KV tier in host memory behind each engine's GPU prefix cache (vLLM's
+    `--kv-offloading-size` / `--kv-offloading-backend`). Blocks a prefill computes are copied
+    to it; a later prompt whose prefix left HBM reloads it from there instead of prefilling
+    it again. With `native`, the engines publish the tier's blocks as KV events (vLLM's
+    self-describing offloading events) and the router's index follows both tiers."""
+
+    size_gib: float = Field(0.0, ge=0)
+    """Host memory per engine replica for offloaded KV, in GiB; 0 turns the tier off.
+    Pinned host memory: `rayattn check` validates engines per node × this against
+    platform.host_memory_gib, and the KubeRay worker pods request it."""
+    backend: Literal["native", "lmcache"] = "native"
+    """`native`: vLLM's OffloadingConnector (CPU tier inside the engine, events for the
+    router). `lmcache`: vLLM's LMCache connector, which needs an LMCache server of its own
+    (its capacity is the server's, not `size_gib`) and publishes no tier events: the router
+    then sees only the GPU tier."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.size_gib > 0
+
+
 class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of device memory vLLM may use (weights + KV). Ignored when
@@ -167,6 +191,8 @@ class EngineConfig(_Strict):
     hash_seed: str = "0"
     """PYTHONHASHSEED of every engine and router process: block hashes (and KV events) only
     agree across processes when it is the same."""
+    kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
+    """The host-memory KV tier (off by default). GPU only: vLLM's CPU build cannot offload."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra environment for the engine processes, on top of what the backend needs."""
     extra_engine_kwargs: dict[str, Any] = Field(default_factory=dict)
@@ -184,6 +210,10 @@ class PlatformConfig(_Strict):
     """GPUs per node (8 on MI300X/MI325X/MI355X platforms); sizes KubeRay worker pods."""
     cpus_per_engine: float = Field(1.0, gt=0)
     """CPUs reserved per engine replica on `cpu` (the engine itself) or per bundle on GPUs."""
+    host_memory_gib: PositiveInt = 1536
+    """Host memory of one GPU node that rayattn's pods may use (the KubeRay worker pod's
+    limit). The engines' KV offload tiers (engine.kv_offload.size_gib each) must fit in it
+    next to the processes themselves; `rayattn check` says when they do not."""
 
 
 class RouterConfig(_Strict):

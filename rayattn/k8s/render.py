@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from rayattn.config.loader import load_serve_config, rayattn_apps
-from rayattn.config.plan import Plan, build_plan
+from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
 
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "ghcr.io/rayattn/rayattn-rocm:0.1.0"
@@ -97,6 +97,19 @@ def serve_config_for_pod(serve_config: dict) -> dict:
     return sc
 
 
+def worker_memory_gib(plans: list[Plan]) -> tuple[int, int]:
+    """A GPU worker pod's memory request and limit: the engine processes' share per GPU plus
+    every engine's pinned KV offload tier (engine.kv_offload.size_gib), at least 1 TiB
+    requested (model loading stages weights through host memory), and the node's
+    platform.host_memory_gib as the limit."""
+    plat = plans[0].config.platform
+    offload = max(p.engines_per_node * p.config.engine.kv_offload.size_gib
+                  if p.config.engine.kv_offload.backend == "native" else 0.0 for p in plans)
+    need = HOST_RESERVE_GIB_PER_GPU * plat.gpus_per_node + math.ceil(offload)
+    limit = plat.host_memory_gib
+    return min(max(1024, need), limit), limit
+
+
 def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE) -> dict:
     apps = rayattn_apps(serve_config)
     plans = [build_plan(cfg) for _, cfg in apps]
@@ -110,6 +123,7 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     # cannot be placed and removes one left idle; without it the group is fixed.
     elastic = max_nodes > min_nodes
     acc = plat.accelerator_type or "MI300X"
+    mem_request, mem_limit = worker_memory_gib(plans)
     head_ports = [{"containerPort": 6379, "name": "gcs-server"},
                   {"containerPort": 8265, "name": "dashboard"},
                   {"containerPort": 10001, "name": "client"},
@@ -139,8 +153,10 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
             "metadata": {"labels": {"app.kubernetes.io/name": "rayattn"}},
             "spec": {
                 "containers": [_container("ray-worker", image, plan, {
-                    "requests": {"cpu": "96", "memory": "1024Gi", "amd.com/gpu": str(per_node)},
-                    "limits": {"cpu": "128", "memory": "1536Gi", "amd.com/gpu": str(per_node)},
+                    "requests": {"cpu": "96", "memory": f"{mem_request}Gi",
+                                 "amd.com/gpu": str(per_node)},
+                    "limits": {"cpu": "128", "memory": f"{mem_limit}Gi",
+                               "amd.com/gpu": str(per_node)},
                 }, [{"containerPort": METRICS_PORT, "name": "metrics"}], gpu=True)],
                 "volumes": _volumes(SHM_GIB.get(acc, 64)),
                 "nodeSelector": {PRODUCT_LABEL: PRODUCTS.get(acc, acc)},

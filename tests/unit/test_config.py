@@ -236,3 +236,66 @@ def test_engine_autoscaling_is_validated(change, fragment):
             "engine": {"kv_cache_memory_bytes": 2**30}, **change}
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         parse_args(args)
+
+
+def test_kv_offload_becomes_vllms_offloading_with_tier_events():
+    args = _args("h200.yaml")
+    args["engine"]["kv_offload"] = {"size_gib": 16}
+    plan = build_plan(parse_args(args))
+    kw = plan.engine_kwargs
+    assert kw["kv_offloading_size"] == 16 and kw["kv_offloading_backend"] == "native"
+    # The routers' index keys on the tier's real block hashes: vLLM must describe them.
+    assert kw["kv_transfer_config"]["kv_connector_extra_config"] == {
+        "self_describing_kv_events": True}
+    assert "host 16 GiB per engine" in plan.describe()
+    # 16 layers × 8 KV heads × 64 dims × K,V × bf16 = 32 KiB a token: 16 GiB hold 524,288.
+    assert plan.kv_bytes_per_token == 32768 and "524,288 tokens" in plan.describe()
+    from rayattn import compat
+
+    kt = compat.config_objects(kw)["kv_transfer_config"]  # the installed vLLM's object
+    assert kt.kv_connector_extra_config["self_describing_kv_events"] and kt.is_kv_producer
+    args["engine"]["kv_offload"] = {"size_gib": 0}
+    assert "kv_offloading_size" not in build_plan(parse_args(args)).engine_kwargs
+
+
+def test_kv_offload_rejected_where_it_cannot_run_or_fit():
+    args = _args("local.yaml")
+    args["engine"]["kv_offload"] = {"size_gib": 1}
+    with pytest.raises(PlanError, match=r"engine.kv_offload: vLLM's CPU build"):
+        build_plan(parse_args(args))
+    args = _args("llama.yaml")  # TP4 on 8-GPU nodes: two engines per node
+    args["engine"]["kv_offload"] = {"size_gib": 700}
+    with pytest.raises(PlanError, match=r"engine.kv_offload.size_gib: 2 engine\(s\) per node "
+                                        r"× 700 GiB = 1400 GiB .* has 1280 GiB"):
+        build_plan(parse_args(args))
+    args["platform"]["host_memory_gib"] = 2048  # a bigger node takes it
+    assert build_plan(parse_args(args)).engine_kwargs["kv_offloading_size"] == 700
+    args["engine"]["enable_prefix_caching"] = False
+    with pytest.raises(PlanError, match="needs engine.enable_prefix_caching"):
+        build_plan(parse_args(args))
+
+
+def test_check_prints_kv_formats_as_capacity_levers(capsys):
+    assert main(["check", str(ROOT / "deployments" / "deepseek.yaml")]) == 0
+    out = capsys.readouterr().out
+    # DeepSeek's latent: 61 layers × 576 × 1 byte (fp8) = 35,136 B a token.
+    assert "35,136 B/token with kv_cache_dtype=fp8" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("kv format:"))
+    assert line.index("auto 15,279") < line.index("fp8 30,559")  # smallest first
+    args = _args("llama.yaml")
+    args["attention"]["kv_cache_dtype"] = "fp8_ds_mla"
+    with pytest.raises(PlanError, match="fp8_ds_mla is DeepSeek's MLA latent format"):
+        build_plan(parse_args(args))
+
+
+def test_turboquant_capacity_follows_vllms_packing():
+    from rayattn.config.architecture import Architecture
+    from rayattn.config.kv_capacity import bytes_per_token
+
+    arch = Architecture(False, 32, 8, 128, False, False, "test", num_layers=32)
+    # fp8 keys (128 B) + 4-bit values (64 + 4 B) = 196 B a head on 28 layers; the first and
+    # last two layers stay bf16 (512 B a head).
+    assert bytes_per_token(arch, "turboquant_k8v4", 2) == 8 * (4 * 512 + 28 * 196)
+    assert bytes_per_token(arch, "fp8", 2) == 32 * 8 * 256
+    assert bytes_per_token(arch, "fp8_ds_mla", 2) is None
+    assert bytes_per_token(Architecture(False, 1, 1, 64, False, False, "t"), "auto", 2) is None

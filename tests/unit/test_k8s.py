@@ -119,3 +119,15 @@ def test_monitoring_dashboard_and_rules(rendered):
 def test_pod_monitors_match_kuberay_reference(rendered):
     reference = list(yaml.safe_load_all((SHARED / "podMonitor.yaml").read_text()))
     assert {m["kind"] for m in rendered["monitoring.yaml"]} == {r["kind"] for r in reference}
+
+
+def test_worker_pods_request_the_engines_offload_tiers():
+    from rayattn.k8s.render import worker_memory_gib
+
+    (_, cfg), = rayattn_apps(yaml.safe_load((ROOT / "deployments" / "llama.yaml").read_text()))
+    cfg.engine.kv_offload.size_gib = 600  # two TP4 engines per node × 600 GiB
+    cfg.platform.host_memory_gib = 2048
+    request, limit = worker_memory_gib([build_plan(cfg)])
+    assert (request, limit) == (32 * 8 + 1200, 2048)
+    cfg.engine.kv_offload.size_gib = 0
+    assert worker_memory_gib([build_plan(cfg)]) == (1024, 2048)
