@@ -91,7 +91,10 @@ def peer_command(kw: dict, port: int, name: str) -> list[str]:
              "gpu_memory_utilization": "--gpu-memory-utilization",
              "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
-             "prefix_caching_hash_algo": "--prefix-caching-hash-algo"}
+             "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
+             # the same host KV tier as rayattn's engines (engine.kv_offload)
+             "kv_offloading_size": "--kv-offloading-size",
+             "kv_offloading_backend": "--kv-offloading-backend"}
     for k, flag in flags.items():
         if kw.get(k) is not None:
             cmd += [flag, str(kw[k])]
@@ -169,7 +172,9 @@ def peer_counts() -> list[float]:
 def reset_peers() -> list[int]:
     import httpx
 
-    return [httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache", timeout=60).status_code
+    # reset_external: the host KV tier (--kv-offloading-size) too, as rayattn's reset does.
+    return [httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
+                       params={"reset_external": "true"}, timeout=60).status_code
             for p in PEER_PORTS]
 
 

@@ -81,7 +81,9 @@ class PeerStack:
 
     def reset_caches(self) -> None:
         for url in self.urls:
-            httpx.post(f"{url}/reset_prefix_cache", timeout=60).raise_for_status()
+            # reset_external: the host KV tier too (vllm serve --kv-offloading-size).
+            httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"},
+                       timeout=60).raise_for_status()
 
     def stop_router(self) -> None:
         if self.router is not None:

@@ -254,6 +254,11 @@ class RouterConfig(_Strict):
     """Initial cost per cached context token an extend attends to; refitted online."""
     decode_s_per_request: float = Field(5e-3, ge=0)
     """Cost an in-flight decode adds to a new request's wait."""
+    reload_cost_fraction: float = Field(0.1, ge=0, le=1)
+    """`affinity`: what reloading a cached token from an engine's host-memory KV tier
+    (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
+    far cheaper than the model's compute (docs/gpu.md measures both on an H200); pricing it
+    above zero keeps a conversation on the replica whose HBM still holds it."""
     stream_interval_ms: float = Field(20.0, ge=0)
     """Streaming: after the first token, output is sent on in chunks at most this often
     (tokens generated meanwhile are merged). Each chunk is one message through the engine

@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from typing import Any
 
-from rayattn.routing.kv_events import Snapshot, apply_batch, decoder
+from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
 
@@ -44,6 +45,8 @@ class KVMirror:
     def __init__(self, pub_port: int, replay_port: int) -> None:
         self.pub_port, self.replay_port = pub_port, replay_port
         self._keys: dict[int, None] = {}
+        self._offloaded: Counter[int] = Counter()
+        """Host-tier blocks, counted: vLLM may announce one block in several chunks."""
         self._seq = -1
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -51,26 +54,42 @@ class KVMirror:
         self._thread.start()
 
     # CacheSink, called with the lock held
-    def stored(self, keys: list[int]) -> None:
-        self._keys.update(dict.fromkeys(keys))
+    def stored(self, keys: list[int], tier: Tier) -> None:
+        if tier == "gpu":
+            self._keys.update(dict.fromkeys(keys))
+        else:
+            self._offloaded.update(keys)
 
-    def removed(self, keys: list[int]) -> None:
+    def removed(self, keys: list[int], tier: Tier) -> None:
+        if tier == "gpu":
+            for k in keys:
+                self._keys.pop(k, None)
+            return
         for k in keys:
-            self._keys.pop(k, None)
+            if self._offloaded[k] <= 1:
+                self._offloaded.pop(k, None)
+            else:
+                self._offloaded[k] -= 1
 
     def cleared(self) -> None:
         self._keys.clear()
+        self._offloaded.clear()
 
     def reset(self) -> None:
-        """The engine's prefix cache was just emptied (reset_prefix_cache). vLLM publishes
-        its AllBlocksCleared with the next engine step, which on an idle engine may be long
-        after a router resyncs: clear now so no snapshot in between shows the old blocks."""
+        """The engine's prefix cache and host tier were just emptied (reset_prefix_cache).
+        vLLM publishes its AllBlocksCleared with the next engine step, which on an idle
+        engine may be long after a router resyncs, and nothing at all for the host tier:
+        clear now so no snapshot in between shows the old blocks."""
         with self._lock:
-            self._keys.clear()
+            self.cleared()
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return Snapshot(self._seq, list(self._keys))
+            return Snapshot(self._seq, list(self._keys), list(self._offloaded.elements()))
+
+    @property
+    def offloaded_blocks(self) -> int:
+        return len(self._offloaded)
 
     def __len__(self) -> int:
         return len(self._keys)

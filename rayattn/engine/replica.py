@@ -158,9 +158,10 @@ class EngineReplica:
         return self.kv_mirror.snapshot() if self.kv_mirror is not None else Snapshot(-1, [])
 
     async def reset_prefix_cache(self, target: str | None) -> bool:
-        """Empty the prefix cache (benchmarks compare policies from the same cold start)."""
+        """Empty the prefix cache and the host KV tier behind it (benchmarks compare policies
+        from the same cold start; a warm host tier would serve the last run's prompts)."""
         self._pinned(target)
-        done = bool(await self.engine.reset_prefix_cache())
+        done = bool(await self.engine.reset_prefix_cache(reset_connector=True))
         if done and self.kv_mirror is not None:
             self.kv_mirror.reset()
         return done

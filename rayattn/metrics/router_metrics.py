@@ -25,6 +25,14 @@ class RouterMetrics:
                                   boundaries=DRIFT_BUCKETS, tag_keys=(*keys, "direction"))
         self.predicted = rm.Counter("rayattn_router_predicted_cached_tokens_total",
                                     "Cached tokens the router predicted", tag_keys=keys)
+        self.predicted_reload = rm.Counter(
+            "rayattn_router_predicted_reload_tokens_total",
+            "Of the cached tokens the router predicted, those it expected the engine to "
+            "reload from its host-memory KV tier", tag_keys=keys)
+        self.index_blocks = rm.Gauge(
+            "rayattn_router_index_blocks",
+            "KV blocks the router's index holds for each replica, by tier (gpu: the "
+            "engine's own cache; cpu: its host-memory tier)", tag_keys=(*keys, "target", "tier"))
         self.actual = rm.Counter("rayattn_router_actual_cached_tokens_total",
                                  "Cached tokens engines reported", tag_keys=keys)
         self.prompt = rm.Counter("rayattn_router_prompt_tokens_total",
@@ -71,20 +79,25 @@ class RouterMetrics:
         if d.moved_from is not None:
             self.moves.inc(1, {**self.base, "reason": d.reason})
 
-    def outcome(self, predicted: int, actual: int, prompt: int, seconds: float) -> None:
+    def outcome(self, predicted: int, actual: int, prompt: int, seconds: float,
+                reload: int = 0) -> None:
         diff = actual - predicted
         direction = "exact" if diff == 0 else ("under" if diff > 0 else "over")
         self.drift.observe(abs(diff), {**self.base, "direction": direction})
         for counter, value in ((self.predicted, predicted), (self.actual, actual),
-                               (self.prompt, prompt)):
+                               (self.prompt, prompt), (self.predicted_reload, reload)):
             if value > 0:  # Ray counters reject increments of 0
                 counter.inc(value, self.base)
         self.e2e.observe(seconds, self.base)
 
     def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float,
-             members: int) -> None:
+             members: int, blocks: dict[str, tuple[int, int]] | None = None) -> None:
+        """`blocks`: per replica, the index's (gpu, cpu) tier blocks."""
         for r in replicas:
             self.inflight.set(inflight.get(r, 0), {**self.base, "target": r})
+            gpu, cpu = (blocks or {}).get(r, (0, 0))
+            self.index_blocks.set(gpu, {**self.base, "target": r, "tier": "gpu"})
+            self.index_blocks.set(cpu, {**self.base, "target": r, "tier": "cpu"})
         self.imbalance.set(imbalance, self.base)
         self.replicas_up.set(len(replicas), self.base)
         self.replicas.set(members, self.base)

@@ -66,6 +66,8 @@ class ReplicaView:
     pending_prefill_tokens: int
     blocks: int
     speculative_blocks: int | None
+    offloaded_blocks: int = 0
+    """Blocks of its host-memory KV tier (vLLM's offloading connector)."""
 
 
 @dataclass
@@ -233,8 +235,11 @@ class RoutingCore:
         if route.session:
             last = self._last_replica.get(route.session)
             route.previous = last if last in self.routable else None
-        route.held = self.index.match(route.keys)  # now: a retry sees the index anew
+        # Now: a retry sees the index anew.
+        route.held, route.reloaded = self.index.match_tiers(route.keys)
         d = self.policy.choose(route, candidates)
+        d.predicted_reload_tokens = self.policy.reloaded_tokens(route, d.replica) \
+            if d.predicted_cached_tokens else 0
         d.loads = {r: self.load.inflight[r] for r in candidates}
         if not retry:
             self._account(d, route, candidates)
@@ -336,5 +341,5 @@ class RoutingCore:
         return CoreSnapshot(self.policy.name, self.index_mode, self.block_size, {
             n: ReplicaView(self.load.inflight[n], self.load.local.get(n, 0),
                            self.load.pending_prefill.get(n, 0), self.index.size(n),
-                           self.index.speculative(n))
+                           self.index.speculative(n), self.index.offloaded(n))
             for n in self.routable}, dict(self.regret_tokens), dict(self.session_moves))

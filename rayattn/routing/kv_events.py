@@ -14,20 +14,28 @@ snapshot on start, on a sequence gap and after an engine restart.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, Protocol
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 log = logging.getLogger("rayattn.kv_events")
 
-# Offloaded copies (vLLM's CPU offloading connector) are not what the engine's prefix cache
-# can hit for free; only the primary cache counts.
-_PRIMARY_MEDIA = (None, "GPU", "gpu")
+Tier = Literal["gpu", "cpu"]
+"""Where a cached block lives: the engine's own KV cache (`gpu`, what vLLM's block pool
+publishes without a medium) or the host-memory tier of vLLM's offloading connector (`cpu`),
+from which a prefix is reloaded instead of prefilled."""
+
+# vLLM's event medium → tier. Other media (vLLM's storage tiers) are not indexed: a prefix
+# there is priced as cold, which errs towards the replica that holds it in memory.
+_TIERS: dict[str | None, Tier] = {None: "gpu", "GPU": "gpu", "gpu": "gpu",
+                                   "CPU": "cpu", "cpu": "cpu"}
 
 
 class CacheSink(Protocol):
-    def stored(self, keys: list[int]) -> None: ...
-    def removed(self, keys: list[int]) -> None: ...
-    def cleared(self) -> None: ...
+    def stored(self, keys: list[int], tier: Tier) -> None: ...
+    def removed(self, keys: list[int], tier: Tier) -> None: ...
+    def cleared(self) -> None:
+        """Every tier emptied (AllBlocksCleared: rayattn resets an engine's prefix cache
+        and its connector together; vLLM publishes nothing for the host tier's reset)."""
 
 
 def decoder() -> Any:
@@ -42,13 +50,20 @@ def apply_batch(batch: Any, sink: CacheSink) -> None:
 
     from rayattn.routing.hashing import to_key
 
+    # The offloading connector's events carry the real block hashes of what it stored
+    # (vLLM's self-describing events, which rayattn's plan turns on; without them, its
+    # placeholder names a chunk by its last block's hash, the same key while offloaded
+    # chunks are one block, as rayattn configures them).
     for ev in batch.events:
-        if isinstance(ev, BlockStored):
-            if getattr(ev, "medium", None) in _PRIMARY_MEDIA:
-                sink.stored([to_key(h) for h in ev.block_hashes])
-        elif isinstance(ev, BlockRemoved):
-            if getattr(ev, "medium", None) in _PRIMARY_MEDIA:
-                sink.removed([to_key(h) for h in ev.block_hashes])
+        if isinstance(ev, BlockStored | BlockRemoved):
+            tier = _TIERS.get(getattr(ev, "medium", None))
+            if tier is None:
+                continue
+            keys = [to_key(h) for h in ev.block_hashes]
+            if isinstance(ev, BlockStored):
+                sink.stored(keys, tier)
+            else:
+                sink.removed(keys, tier)
         elif isinstance(ev, AllBlocksCleared):
             sink.cleared()
 
@@ -58,3 +73,7 @@ class Snapshot:
     seq: int
     """Sequence number of the last batch applied (-1: none yet)."""
     keys: list[int]
+    """Blocks in the engine's own (GPU) cache."""
+    offloaded: list[int] = field(default_factory=list)
+    """Blocks in its host-memory tier, each as often as it is announced there now (vLLM
+    may announce a block in several offloaded chunks; it leaves with the last)."""

@@ -9,7 +9,7 @@ finished request's blocks tail-first (tails are evicted first).
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 
 
@@ -55,6 +55,15 @@ class PrefixIndex:
     def speculative(self, replica: str) -> int | None:
         """Blocks counted on `replica` on the router's word alone (None: no such overlay)."""
         return None
+
+    def offloaded(self, replica: str) -> int:
+        """Blocks `replica` holds in its host-memory tier (events only)."""
+        return 0
+
+    def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """`match`, and how many of each replica's matched blocks it would reload from its
+        host tier rather than find in its own cache."""
+        return self.match(keys), {}
 
     # --- queries -------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> dict[str, int]:
@@ -138,6 +147,9 @@ class EventIndex(PrefixIndex):
         import time
 
         super().__init__()
+        self._host: dict[str, Counter[int]] = {}
+        """Per replica, the blocks of its host tier (vLLM's offloading connector), counted:
+        a block announced by several offloaded chunks leaves with the last of them."""
         self.ttl_s = ttl_s
         self._clock = clock or time.monotonic
         self._spec: dict[int, dict[str, float]] = {}
@@ -149,11 +161,35 @@ class EventIndex(PrefixIndex):
     def add_replica(self, replica: str, capacity_blocks: int = 0) -> None:
         self._lru.setdefault(replica, OrderedDict())
         self._capacity[replica] = 1 << 62
+        self._host.setdefault(replica, Counter())
 
     def remove_replica(self, replica: str) -> None:
         super().remove_replica(replica)
+        self._host.pop(replica, None)
         for key in [k for k, owners in self._spec.items() if replica in owners]:
             self._drop_spec(key, replica)
+
+    def offloaded(self, replica: str) -> int:
+        return len(self._host.get(replica, ()))
+
+    def match(self, keys: Sequence[int]) -> dict[str, int]:
+        return self.match_tiers(keys)[0]
+
+    def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """What vLLM's scheduler will find: the leading blocks in the engine's own cache,
+        then, from the first one missing there, the run its offloading connector holds
+        (it looks up the host tier only past the GPU hit, and reloads those blocks)."""
+        held = PrefixIndex.match(self, keys)
+        reloaded: dict[str, int] = {}
+        for replica, host in self._host.items():
+            if not host:
+                continue
+            start = end = held.get(replica, 0)
+            while end < len(keys) and keys[end] in host:
+                end += 1
+            if end > start:
+                held[replica], reloaded[replica] = end, end - start
+        return held, reloaded
 
     def _owners_of(self, key: int) -> set[str] | None:
         spec = self._spec.get(key)
@@ -191,16 +227,27 @@ class EventIndex(PrefixIndex):
         return sum(1 for owners in self._spec.values() if replica in owners)
 
     # --- from the engine's events ----------------------------------------------------
-    def stored(self, replica: str, keys: Sequence[int]) -> None:
+    def stored(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
         lru = self._lru.get(replica)
         if lru is None:
+            return
+        if tier != "gpu":
+            self._host[replica].update(keys)
             return
         for key in keys:
             lru[key] = None
             self._owners.setdefault(key, set()).add(replica)
             self._drop_spec(key, replica)
 
-    def removed(self, replica: str, keys: Sequence[int]) -> None:
+    def removed(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
+        if tier != "gpu":
+            host = self._host.get(replica)
+            for key in keys if host is not None else ():
+                if host[key] <= 1:
+                    host.pop(key, None)
+                else:
+                    host[key] -= 1
+            return
         self.remove_blocks(replica, keys)
         for key in keys:
             self._drop_spec(key, replica)
@@ -208,8 +255,9 @@ class EventIndex(PrefixIndex):
     def cleared(self, replica: str) -> None:
         self.reset(replica, [])
 
-    def reset(self, replica: str, keys: Sequence[int]) -> None:
-        """Replace what `replica` holds with `keys` (a snapshot from its engine). The
+    def reset(self, replica: str, keys: Sequence[int], offloaded: Sequence[int] = ()) -> None:
+        """Replace what `replica` holds with `keys` and its host tier with `offloaded` (a
+        snapshot from its engine; both empty: the engine was reset). The
         speculative overlay stays: it stands for requests already sent there whose blocks
         the engine has not stored yet, which a clear or a snapshot cannot know about.
         (vLLM publishes a reset_prefix_cache's AllBlocksCleared with the engine's next
@@ -218,8 +266,10 @@ class EventIndex(PrefixIndex):
         if replica not in self._lru:
             return  # it left (a feed's last snapshot can land after that)
         PrefixIndex.remove_replica(self, replica)
+        self._host.pop(replica, None)
         self.add_replica(replica)
         self.stored(replica, keys)
+        self.stored(replica, offloaded, "cpu")
 
     def _drop_spec(self, key: int, replica: str) -> None:
         owners = self._spec.get(key)

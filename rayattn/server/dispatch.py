@@ -140,8 +140,10 @@ class Dispatcher:
             if self.metrics is not None:
                 live = self.live()
                 load = self.core.load
+                index = self.core.index
                 self.metrics.load(dict(load.inflight.items()), live, load.imbalance(live),
-                                  len(self.fleet.members))
+                                  len(self.fleet.members),
+                                  {r: (index.size(r), index.offloaded(r)) for r in live})
             await asyncio.sleep(self.fleet.period_s)
 
     def _joined(self, r: Replica) -> bool:
@@ -201,6 +203,8 @@ class Dispatcher:
                                           **self.feeds.stats(n)}
             if view is not None and view.speculative_blocks is not None:
                 cache_view["speculative"] = view.speculative_blocks
+            if view is not None and view.offloaded_blocks:
+                cache_view["offloaded"] = view.offloaded_blocks
             engines[n] = EngineStatus(
                 r.up, info.pid if info else None, info.rank if info else None,
                 view.inflight if view else 0, view.local if view else 0,
@@ -354,7 +358,8 @@ class Dispatcher:
                         log.exception("learning from request %s failed", req.request_id)
                     if self.metrics is not None:
                         self.metrics.outcome(d.predicted_cached_tokens, chunk.num_cached_tokens,
-                                             chunk.prompt_tokens, chunk.timings.get("e2e_s", 0.0))
+                                             chunk.prompt_tokens, chunk.timings.get("e2e_s", 0.0),
+                                             d.predicted_reload_tokens)
                 yield chunk
         finally:
             # Runs on success, failure and cancellation alike: the engine request is

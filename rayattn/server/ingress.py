@@ -433,7 +433,8 @@ def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> 
     t = last.timings or {}
     return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
             "regret_tokens": d.regret_tokens,
-            "predicted_cached_tokens": d.predicted_cached_tokens, "path": t.get("path"),
+            "predicted_cached_tokens": d.predicted_cached_tokens,
+            "predicted_reload_tokens": d.predicted_reload_tokens, "path": t.get("path"),
             "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
             "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
             "served_by": last.served_by,

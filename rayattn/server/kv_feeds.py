@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from rayattn.engine.kv_mirror import subscriber
 from rayattn.routing.core import RoutingCore
-from rayattn.routing.kv_events import CacheSink, Snapshot, apply_batch, decoder
+from rayattn.routing.kv_events import CacheSink, Snapshot, Tier, apply_batch, decoder
 from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.background import detached
 
@@ -23,7 +23,7 @@ log = logging.getLogger("rayattn.kv_events")
 
 
 class FeedSink(CacheSink, Protocol):
-    def reset(self, keys: list[int]) -> None:
+    def reset(self, snap: Snapshot) -> None:
         """Replace the view with a snapshot's blocks (a feed's resync)."""
 
 
@@ -38,21 +38,21 @@ class _ReplicaSink:
         index = self.core.index
         return index if isinstance(index, EventIndex) else None
 
-    def stored(self, keys: list[int]) -> None:
+    def stored(self, keys: list[int], tier: Tier) -> None:
         if (index := self._index()) is not None:
-            index.stored(self.replica, keys)
+            index.stored(self.replica, keys, tier)
 
-    def removed(self, keys: list[int]) -> None:
+    def removed(self, keys: list[int], tier: Tier) -> None:
         if (index := self._index()) is not None:
-            index.removed(self.replica, keys)
+            index.removed(self.replica, keys, tier)
 
     def cleared(self) -> None:
         if (index := self._index()) is not None:
             index.cleared(self.replica)
 
-    def reset(self, keys: list[int]) -> None:
+    def reset(self, snap: Snapshot) -> None:
         if (index := self._index()) is not None:
-            index.reset(self.replica, keys)
+            index.reset(self.replica, snap.keys, snap.offloaded)
 
 
 class KVFeeds:
@@ -147,7 +147,7 @@ class EventFeed:
                 break
             await asyncio.sleep(0.1)
             snap = await self._snapshot()
-        self.sink.reset(snap.keys)
+        self.sink.reset(snap)
         self.last_seq = snap.seq
         self.resyncs += 1
         while True:

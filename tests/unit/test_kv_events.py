@@ -141,3 +141,92 @@ def test_a_clear_keeps_the_requests_already_sent():
     index.insert("a", [3])
     index.remove_replica("a")  # the replica left: nothing of it stays
     assert index.match([3]) == {}
+
+
+def _offloaded(keys: list[int], medium: str = "CPU"):
+    """What vLLM's offloading connector publishes for blocks it copied to host memory (its
+    self-describing events: the real block hashes, the tier as `medium`)."""
+    from vllm.distributed.kv_events import BlockStored
+
+    return BlockStored(block_hashes=keys, parent_block_hash=None,
+                       token_ids=[0] * 4 * len(keys), block_size=4, lora_id=None,
+                       medium=medium, lora_name=None)
+
+
+def test_host_tier_events_reach_the_index_beside_the_gpu_cache(publisher):
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
+
+    pub, pub_port, replay_port = publisher
+    mirror = KVMirror(pub_port, replay_port)
+    time.sleep(0.3)
+    # A conversation's history: blocks 1-4 computed on the GPU and offloaded; then blocks
+    # 1-3 evicted from the GPU (the host copies stay). Block 2 is announced by two
+    # overlapping chunks: it leaves the host tier with the second removal only. A storage
+    # tier rayattn does not index is ignored.
+    _send(pub, _stored([1, 2, 3, 4]), _offloaded([1, 2]), _offloaded([2, 3, 4]),
+          BlockRemoved(block_hashes=[1, 2, 3], medium="GPU"), _offloaded([9], "STORAGE"))
+    deadline = time.time() + 10
+    while mirror.offloaded_blocks < 4 and time.time() < deadline:
+        time.sleep(0.02)
+    snap = mirror.snapshot()
+    assert snap.keys == [4] and sorted(snap.offloaded) == [1, 2, 2, 3, 4]
+
+    async def scenario() -> None:
+        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+        assert core.joined("e0", 16, 100) and core.joined("e1", 16, 100)
+        index = core.index
+
+        async def snapshot():
+            return mirror.snapshot()
+
+        feeds = KVFeeds(core)
+        feeds.join("e0", f"tcp://127.0.0.1:{pub_port}",
+                   SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot)))
+        # From the snapshot: nothing of 1-3 in e0's HBM, all of 1-4 in its host tier, so
+        # vLLM would reload the whole prefix there (its connector looks past the GPU hit).
+        await _until(lambda: index.match_tiers([1, 2, 3, 4, 5]) == ({"e0": 4}, {"e0": 4}))
+        assert index.offloaded("e0") == 4 and index.size("e0") == 1
+
+        _send(pub, BlockRemoved(block_hashes=[2], medium="CPU"))  # one of two chunks left
+        _send(pub, _stored([1]))  # block 1 back in HBM (a request reloaded it)
+        await _until(lambda: index.size("e0") == 2)
+        assert index.match_tiers([1, 2, 3, 4]) == ({"e0": 4}, {"e0": 3})
+        _send(pub, BlockRemoved(block_hashes=[2], medium="CPU"))
+        await _until(lambda: index.offloaded("e0") == 3)
+        # Block 2 is nowhere now: the match stops at it, whatever lies behind.
+        assert index.match_tiers([1, 2, 3, 4]) == ({"e0": 1}, {})
+
+        # A router's routing sees the split: e0 holds the prompt's first 3 blocks, 2 of them
+        # only in host memory.
+        route = core.request(list(range(64)))
+        index.stored("e0", route.keys[:1])
+        index.stored("e0", route.keys[1:3], "cpu")
+        d = core.choose(route, ["e0", "e1"])
+        assert (d.replica, d.predicted_cached_tokens, d.predicted_reload_tokens) == \
+            ("e0", 48, 32)
+
+        _send(pub, AllBlocksCleared())  # a reset empties both tiers (rayattn resets both)
+        await _until(lambda: index.size("e0") == 0 and index.offloaded("e0") == 0)
+        feeds.feeds["e0"].stop()
+
+    try:
+        asyncio.run(scenario())
+        assert mirror.snapshot().offloaded == []
+    finally:
+        mirror.close()
+
+
+def test_host_tier_is_looked_up_only_past_the_gpu_hit():
+    index = EventIndex()
+    for r in ("a", "b"):
+        index.add_replica(r)
+    index.stored("a", [1, 2])
+    index.stored("a", [3, 4, 6], "cpu")
+    index.stored("b", [2, 3], "cpu")  # b's host tier lacks the head: no hit at all
+    assert index.match_tiers([1, 2, 3, 4, 5, 6]) == ({"a": 4}, {"a": 2})
+    index.insert("b", [1])  # sent there: counts as b's own cache at once
+    assert index.match_tiers([1, 2, 3, 4]) == ({"a": 4, "b": 3}, {"a": 2, "b": 2})
+    index.reset("a", [1], offloaded=[2])  # a snapshot replaces both tiers
+    assert index.match_tiers([1, 2, 3])[0]["a"] == 2
+    index.remove_replica("a")
+    assert index.offloaded("a") == 0 and "a" not in index.match_tiers([1, 2])[0]

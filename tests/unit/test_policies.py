@@ -309,3 +309,49 @@ def test_admission_is_exact():
     except APIError:
         pass
     assert adm.peak == 3
+
+
+def tiered_fleet():
+    from rayattn.routing.prefix_index import EventIndex
+
+    idx, load = EventIndex(), LoadTracker()
+    for r in ("r0", "r1", "r2"):
+        idx.add_replica(r)
+    pol = policies.build("affinity", PolicyContext(idx, load, BS, seed=0),
+                         RouterConfig().model_dump())
+    pol.cost.prefill_s_per_token, pol.cost.ctx_s_per_token = 1e-5, 1e-7
+    pol.cost.decode_s_per_request = 1e-4
+    return pol, idx, load
+
+
+def test_a_history_in_the_host_tier_keeps_its_conversation():
+    """A conversation's 1.6k-token history left r0's HBM but sits in r0's host tier: r0
+    reloads it for a tenth of a prefill, so 7 ms of queue there does not justify recomputing
+    it elsewhere. Without the tier in the index, the same conversation moves."""
+    history = list(range(1, 101))
+    for tiered, expected in ((True, "r0"), (False, "r1")):
+        pol, idx, load = tiered_fleet()
+        if tiered:
+            idx.stored("r0", history, "cpu")
+        load.acquire("r0", 700)
+        route = req(history + [101])
+        route.held, route.reloaded = idx.match_tiers(route.keys)
+        d = pol.choose(route, ["r0", "r1"])
+        assert d.replica == expected
+
+
+def test_hbm_beats_host_tier_beats_cold():
+    pol, idx, load = tiered_fleet()
+    history = list(range(1, 101))
+    idx.stored("r0", history)  # in HBM
+    idx.stored("r1", history[:10])  # head in HBM, the rest reloaded from host memory
+    idx.stored("r1", history[10:], "cpu")
+    route = req(history + [101])
+    route.held, route.reloaded = idx.match_tiers(route.keys)
+    assert route.held == {"r0": 100, "r1": 100} and route.reloaded == {"r1": 90}
+    d = pol.choose(route, ["r0", "r1", "r2"])
+    assert d.replica == "r0"
+    # The reload is priced at reload_cost_fraction of a prefill, between the two.
+    assert d.costs["r0"] < d.costs["r1"] < d.costs["r2"]
+    assert d.costs["r1"] - d.costs["r0"] == pytest.approx(90 * BS * 1e-5 * 0.1)
+    assert pol.reloaded_tokens(route, "r1") == 90 * BS and pol.reloaded_tokens(route, "r0") == 0

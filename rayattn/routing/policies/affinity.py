@@ -1,7 +1,12 @@
 """`affinity` minimises a predicted time to first token plus the prefill work it adds:
 
     cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
+              + reloaded_tokens(r) × c_reload
     wait(r) = pending_prefill_tokens(d) × c_prefill + inflight(d) × c_decode
+
+where cached tokens include those r's engine would reload from its host-memory KV tier
+(vLLM's offloading connector), priced at c_reload, between an extend from HBM (free but for
+c_ctx) and a cold prefill: a conversation whose history moved to r's host tier stays with r.
 
 where d is r's device: engines that share a GPU share its throughput, so their queues count
 together and a move between them saves no wait while it recomputes the history.
@@ -81,8 +86,9 @@ class Affinity(Policy):
             # queued on the other one delays this request as much as its own does.
             pending, inflight = device_load.get(r, (0, 0))
             wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
+            reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
-                        + cached * c.ctx_s_per_token)
+                        + cached * c.ctx_s_per_token + reload * c.reload_s_per_token)
         best = min(costs.values())
         # Costs within a few percent are indistinguishable given the model's error; decide
         # those deterministically so conversations and independent routers stay put.
@@ -134,7 +140,7 @@ class Affinity(Policy):
 
 def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> Affinity:
     cost = CostModel(settings["prefill_s_per_token"], settings["extend_s_per_context_token"],
-                     settings["decode_s_per_request"])
+                     settings["decode_s_per_request"], settings["reload_cost_fraction"])
     return Affinity(ctx, cost=cost, epsilon=settings["load_epsilon"],
                     min_match_fraction=settings["min_match_fraction"],
                     slack=settings["load_slack"])
@@ -143,4 +149,4 @@ def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> Affinity:
 SPEC = PolicySpec(
     "affinity", "predicted-TTFT cost over the engines' cached blocks, bounded load",
     ("load_epsilon", "load_slack", "min_match_fraction", "prefill_s_per_token",
-     "extend_s_per_context_token", "decode_s_per_request"), _build)
+     "extend_s_per_context_token", "decode_s_per_request", "reload_cost_fraction"), _build)

@@ -32,6 +32,9 @@ class RouteRequest:
     held: dict[str, int] | None = None
     """Leading blocks of `keys` each replica holds, matched once per choice by the core
     (policies and the core's accounting read it instead of matching again)."""
+    reloaded: dict[str, int] = field(default_factory=dict)
+    """Of `held`, the blocks each replica would reload from its host-memory KV tier (the
+    tail of its match, past what its own cache holds)."""
 
 
 @dataclass
@@ -40,6 +43,8 @@ class Decision:
     reason: str
     predicted_cached_tokens: int
     costs: dict[str, float] = field(default_factory=dict)
+    predicted_reload_tokens: int = 0
+    """Of predicted_cached_tokens, those the replica reloads from its host tier."""
     loads: dict[str, int] = field(default_factory=dict)
     """In-flight estimate of each candidate when the choice was made (for explaining it)."""
     dispatched_at: float = 0.0
@@ -96,6 +101,15 @@ class Policy:
 
     def matches(self, req: RouteRequest) -> dict[str, int]:
         return req.held if req.held is not None else self.index.match(req.keys)
+
+    def reloaded_tokens(self, req: RouteRequest, replica: str) -> int:
+        """Of the tokens `replica` would serve from cache for `req`, those it reloads from
+        its host tier: the cached span past the blocks its own cache holds."""
+        blocks = req.reloaded.get(replica, 0)
+        if not blocks:
+            return 0
+        held = self.matches(req).get(replica, 0)
+        return max(0, self.cached_tokens(req, held) - (held - blocks) * self.block_size)
 
     def predicted(self, req: RouteRequest, replica: str) -> int:
         """Tokens `replica` would serve from cache for `req`, by the index."""

@@ -11,6 +11,9 @@ class CostModel:
     prefill_s_per_token: float
     ctx_s_per_token: float
     decode_s_per_request: float
+    reload_fraction: float = 0.1
+    """What reloading a token from an engine's host KV tier costs, as a fraction of
+    prefilling it: a copy over the host link instead of the model's compute."""
     alpha: float = 0.2
     window: int = 64
     """Finished prefills per engine that the prefill rate is measured over."""
@@ -44,6 +47,10 @@ class CostModel:
                 reach = b
         self._rates[engine] = busy / tokens
         self._refit_fleet()
+
+    @property
+    def reload_s_per_token(self) -> float:
+        return self.prefill_s_per_token * self.reload_fraction
 
     def forget(self, engine: str) -> None:
         """A departed engine's rate must not stay in the fleet's median."""
