@@ -355,3 +355,18 @@ def test_hbm_beats_host_tier_beats_cold():
     assert d.costs["r0"] < d.costs["r1"] < d.costs["r2"]
     assert d.costs["r1"] - d.costs["r0"] == pytest.approx(90 * BS * 1e-5 * 0.1)
     assert pol.reloaded_tokens(route, "r1") == 90 * BS and pol.reloaded_tokens(route, "r0") == 0
+
+
+def test_new_conversations_fill_engines_sharing_a_gpu_evenly():
+    """Two engines on one GPU share its compute (the cost ties them) but not their KV caches:
+    new conversations, each with a document of its own, alternate between them instead of
+    splitting by hash."""
+    pol, idx, load, names = fleet(2)
+    load.device.update({"r0": "gpu0", "r1": "gpu0"})
+    for i in range(64):
+        r = req([50_000 * i + b for b in range(100)])
+        d = pol.choose(r, names)
+        assert d.reason == "cold"
+        pol.on_dispatch(d.replica, r)
+        load.acquire(d.replica, r.prompt_tokens)
+    assert load.inflight["r0"] == load.inflight["r1"] == 32

@@ -96,6 +96,14 @@ class Affinity(Policy):
         near = [r for r, v in costs.items() if v <= best + tol]
         owner = req.previous
         best_cached = max(matches, key=lambda r: matches[r]) if matches else None
+        if len(near) > 1 and not any(self.cached_tokens(req, matches.get(r, 0)) >= max(floor, 1)
+                                     for r in near):
+            # Nothing to keep: a new conversation goes to the least busy engine first. The
+            # cost ties engines that share a GPU (one queue of compute), but each has its own
+            # KV cache and batch, and a conversation placed on the fuller one is the first
+            # its LRU evicts (seen: 72/56 conversations by hash, every run the same).
+            fewest = min(self.load.inflight[r] for r in near)
+            near = [r for r in near if self.load.inflight[r] == fewest]
         if owner in near and len(near) > 1:
             chosen, reason = owner, "session"
         else:
