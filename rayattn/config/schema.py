@@ -277,6 +277,21 @@ class RouterConfig(_Strict):
     channel (`_by_reference=False`), one message per streamed chunk on a persistent
     connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
     is a Ray object with an ownership round trip (slower per chunk)."""
+    kv_admission: bool = False
+    """Cache-pressure-aware admission: a request waits in the router while its engine's
+    running requests plus the histories of its live conversations (by `session_header`)
+    would overflow the engine's KV cache, continuing conversations before new ones, so a
+    burst of new conversations cannot evict the histories of those in their think time
+    (routing/kv_budget.py). Without a host KV tier, LRU eviction otherwise makes every
+    turn a full prefill once the live histories outgrow HBM."""
+    conversation_idle_s: float = Field(5.0, gt=0)
+    """`kv_admission`: how long after its last turn a conversation still counts as live
+    (its history kept free of eviction). About the clients' think time; longer protects
+    slower conversations and holds new ones back longer."""
+    kv_admission_fill: float = Field(0.95, gt=0, le=1)
+    """`kv_admission`: the fraction of each engine's KV cache that running requests and
+    protected histories may fill (the rest is headroom for what the router cannot see:
+    other routers' requests, output beyond max_tokens estimates)."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2

@@ -25,6 +25,7 @@ from typing import Any
 
 from rayattn.routing import policies
 from rayattn.routing.hashing import BlockHasher, to_key
+from rayattn.routing.kv_budget import KVBudget
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, Policy, PolicyContext, RouteRequest
 from rayattn.routing.prefix_index import EventIndex, PrefixIndex
@@ -108,6 +109,10 @@ class RoutingCore:
         """Where each recent conversation's previous turn went (bounded)."""
         self.regret_tokens: Counter[str] = Counter()
         self.session_moves: Counter[str] = Counter()
+        self.kv = KVBudget(self.settings["conversation_idle_s"],
+                           self.settings["kv_admission_fill"], clock)
+        """Cache-pressure admission's bookkeeping (the dispatcher gates on it when
+        router.kv_admission is on)."""
 
     @property
     def block_size(self) -> int:
@@ -155,6 +160,7 @@ class RoutingCore:
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
         self.routable[name] = capacity_blocks
+        self.kv.joined(name, capacity_blocks * self.block_size)
         if device:
             self.load.device[name] = device
         if max_batch:
@@ -165,6 +171,7 @@ class RoutingCore:
         """A replica is gone (down, drained, replaced): nothing learned of it stays."""
         self.routable.pop(name, None)
         self.index.remove_replica(name)
+        self.kv.left(name)
         self.policy.forget_replica(name)
         self.load.forget(name)
 
@@ -269,6 +276,9 @@ class RoutingCore:
         ends."""
         d.uncached_tokens = route.prompt_tokens - d.predicted_cached_tokens
         d.prefill_pending = d.in_flight = True
+        d.session = route.session
+        d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
+                                       route.max_tokens)
         self.load.acquire(d.replica, d.uncached_tokens)
         self.policy.on_dispatch(d.replica, route)
         d.dispatched_at = time.perf_counter()
@@ -294,6 +304,7 @@ class RoutingCore:
                 # The next turn starts with this prompt and, re-rendered, usually the answer.
                 self._remember(route.session, cached, full)
         self.policy.on_complete(d.replica, keys)
+        self.kv.finished(d.replica, route.session, route.prompt_tokens + len(done.output_ids))
         self.policy.observe(d.replica, done.prompt_tokens - done.cached_tokens, done.timings,
                             self.load.inflight[d.replica])
 
@@ -302,7 +313,13 @@ class RoutingCore:
         however many cleanup paths report it (and not at all if it was never held)."""
         if d.in_flight:
             self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
+            self.kv.ended(d.replica, d.session, d.kv_held)
             d.prefill_pending = d.in_flight = False
+
+    def kv_room(self, route: RouteRequest, candidates: list[str]) -> list[str]:
+        """The candidates that can take `route` now without pushing a live conversation's
+        history out of their KV cache (routing/kv_budget.py)."""
+        return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: Mapping[str, Any]) -> bool:
@@ -316,6 +333,7 @@ class RoutingCore:
             self.index = self._new_index()
         elif isinstance(self.index, EventIndex):
             self.index.ttl_s = new["speculative_ttl_s"]  # for blocks sent from now on
+        self.kv.idle_s, self.kv.fill = new["conversation_idle_s"], new["kv_admission_fill"]
         reads = policies.spec(new["policy"]).settings
         if index_changed or old["policy"] != new["policy"] or \
                 any(old[k] != new[k] for k in reads):
@@ -333,6 +351,9 @@ class RoutingCore:
             self.index.add_replica(name, capacity)
         self.policy = self._new_policy(self.settings["policy"])
         self._last_replica.clear()
+        old, self.kv = self.kv, KVBudget(self.settings["conversation_idle_s"],
+                                         self.settings["kv_admission_fill"], self._clock)
+        self.kv.capacity, self.kv.running = old.capacity, old.running
         self.regret_tokens.clear()
         self.session_moves.clear()
         return self.policy.name

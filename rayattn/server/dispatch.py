@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import logging
 import time
 import uuid
@@ -26,6 +28,7 @@ from rayattn.config.schema import RayAttnConfig, RouterConfig
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
+from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.server.background import detached
 from rayattn.server.errors import APIError, EngineFailure, engine_raised
@@ -68,6 +71,15 @@ class Slot:
 
 # How long a request waits for an engine replica when some exist but none is up.
 NO_REPLICA_GRACE_S = 10.0
+
+KV_RECHECK_S = 0.5
+"""How often a request held by cache-pressure admission looks again without being woken."""
+
+
+def _max_tokens(body: dict[str, Any]) -> int:
+    """The output a request may add to the cache (cache-pressure admission)."""
+    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    return n if isinstance(n, int) and n > 0 else DEFAULT_OUTPUT_TOKENS
 
 
 @dataclass
@@ -117,11 +129,15 @@ class Dispatcher:
                                 hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12])
         self.feeds = KVFeeds(self.core)
         self.metrics = RouterMetrics(cfg.model.name, self.core.policy.name) if metrics else None
+        self._kv_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        """Requests held by cache-pressure admission: (continuing? 0 : 1, arrival, wake)."""
+        self._kv_seq = itertools.count()
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.admission = Admission(cfg.router.max_inflight)
-        self.counts = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0}
+        self.counts: dict[str, float] = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0,
+                                         "kv_held": 0, "kv_held_s": 0.0}
         self._metrics_task: asyncio.Task | None = None
         self.stalls = LoopWatch()
 
@@ -254,8 +270,11 @@ class Dispatcher:
         t0 = time.monotonic()
         wait_until = t0 + NO_REPLICA_GRACE_S  # one grace per request, retries included
         try:
+            route.max_tokens = _max_tokens(req.body)
             for attempt in range(1 + self.cfg.router.max_retries):
-                candidates = await self._candidates(tried, wait_until)
+                candidates = await (self._kv_admitted(route, tried, wait_until)
+                                    if self.core.settings["kv_admission"]
+                                    else self._candidates(tried, wait_until))
                 d = self.core.choose(route, candidates, retry=attempt > 0)
                 tried.add(d.replica)
                 if req.log:
@@ -322,6 +341,36 @@ class Dispatcher:
                 return open_
             await asyncio.sleep(0.005)
 
+    async def _kv_admitted(self, route: RouteRequest, tried: set[str],
+                           wait_until: float) -> list[str]:
+        """The candidates with KV room for `route` (routing/kv_budget.py); while there are
+        none, the request waits here, woken as requests end, continuing conversations
+        first and in arrival order within each class."""
+        prio = 0 if self.core.kv.is_live(route.session) else 1
+        t0, waited = time.monotonic(), False
+        while True:
+            candidates = await self._candidates(tried, wait_until)
+            room = self.core.kv_room(route, candidates)
+            if room:
+                if waited:
+                    self.counts["kv_held"] += 1
+                    self.counts["kv_held_s"] += time.monotonic() - t0
+                return room
+            waited = True
+            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            heapq.heappush(self._kv_waiters, (prio, next(self._kv_seq), wake))
+            # Woken when a request ends; the timeout re-checks for conversations gone idle.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(wake, KV_RECHECK_S)
+
+    def _kv_wake(self) -> None:
+        """Load was released: every held request looks again, in priority order (the
+        first ones take the room; the others wait again)."""
+        waiters, self._kv_waiters = self._kv_waiters, []
+        for _, _, wake in sorted(waiters):
+            if not wake.done():
+                wake.set_result(None)
+
     async def _call(self, d: Decision, req: OpenAIRequest,
                     route: RouteRequest) -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
@@ -367,6 +416,8 @@ class Dispatcher:
             if gen is not None:
                 gen.cancel()
             self.core.ended(d)
+            if self._kv_waiters:
+                self._kv_wake()
 
     def _stream_handle(self, replica: str) -> PinnedHandle:
         """The engine deployment's streaming handle, aimed at `replica`; built once per

@@ -185,3 +185,42 @@ def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset
         httpx.post(f"{server}/admin/reset", json={"index": "events",
                                                   "settings": {"max_inflight": limit}},
                    timeout=60)
+
+
+def test_cache_pressure_admission_holds_requests_in_the_router(server, reset):
+    """router.kv_admission on, live, with the engines' KV cache made tiny for admission
+    (kv_admission_fill): each engine runs one request at a time, the others wait in the
+    router (counted in /health) and are all served; off again, nothing is held."""
+    async def burst(tag: str) -> list[int]:
+        async with httpx.AsyncClient(timeout=120) as c:
+            rs = await asyncio.gather(*(c.post(
+                f"{server}/v1/chat/completions", headers={"x-session-id": f"{tag}{i}"},
+                json={"model": MODEL, "max_tokens": 8,
+                      "messages": [{"role": "user", "content": f"Say {tag} {i} twice."}]})
+                for i in range(6)))
+        return [r.status_code for r in rs]
+
+    reset("affinity")
+    on = {"kv_admission": True, "kv_admission_fill": 1e-6, "conversation_idle_s": 0.5}
+    try:
+        r = httpx.post(f"{server}/admin/reset", json={"settings": on}, timeout=60)
+        assert r.status_code == 200, r.text
+        before = health(server)["counts"]
+        assert asyncio.run(burst("on")) == [200] * 6
+        held = health(server)["counts"]["kv_held"] - before["kv_held"]
+        assert held >= 4, held  # six at once, two engines, one running on each
+        off = {k: router_default(k) for k in on}
+        r = httpx.post(f"{server}/admin/reset", json={"settings": off}, timeout=60)
+        assert r.status_code == 200, r.text
+        before = health(server)["counts"]["kv_held"]
+        assert asyncio.run(burst("off")) == [200] * 6
+        assert health(server)["counts"]["kv_held"] == before
+    finally:
+        httpx.post(f"{server}/admin/reset", json={"settings": {
+            k: router_default(k) for k in on}}, timeout=60)
+
+
+def router_default(name: str) -> object:
+    from rayattn.config.schema import RouterConfig
+
+    return RouterConfig.model_fields[name].default

@@ -32,6 +32,8 @@ class RouteRequest:
     held: dict[str, int] | None = None
     """Leading blocks of `keys` each replica holds, matched once per choice by the core
     (policies and the core's accounting read it instead of matching again)."""
+    max_tokens: int = 256
+    """Output tokens the request may add (its max_tokens; cache-pressure admission)."""
     reloaded: dict[str, int] = field(default_factory=dict)
     """Of `held`, the blocks each replica would reload from its host-memory KV tier (the
     tail of its match, past what its own cache holds)."""
@@ -54,6 +56,9 @@ class Decision:
     prefill_pending: bool = False
     in_flight: bool = False
     """Between the core's `dispatched` and `ended`: load is held for it."""
+    session: str | None = None
+    kv_held: int = 0
+    """KV tokens this attempt holds in the core's admission budget until `ended`."""
     regret_tokens: int = 0
     """Tokens of this prompt another candidate held beyond what the chosen one holds:
     recomputed here although they were cached elsewhere when the choice was made."""

@@ -1,0 +1,147 @@
+"""Cache-pressure-aware admission: which turns run now and which wait, so that the
+conversations an engine is serving keep their KV cache.
+
+When the live conversations' histories outgrow an engine's KV cache, vLLM admits every
+request it is sent and evicts cached blocks least-recently-used to make room: a stream of
+new conversations pushes out the history of every conversation in its think time, and each
+next turn prefills its whole history again (measured on one H200: 0.074 of the oracle for
+every router alike, docs/gpu.md). Here the router keeps, per engine, the tokens of
+
+  * its running requests (what they add to the cache: new prompt tokens and output), and
+  * the histories of its live conversations (a turn in flight or finished less than
+    `idle_s` ago, by the session header),
+
+and admits a new conversation (or one moving in) only where running + live histories + what
+it adds fits the engine's KV capacity, and a live conversation's next turn where running +
+its new tokens fit: continuing conversations get in first, new ones wait until a
+conversation goes quiet. (Live histories that outgrow the cache by themselves still evict
+each other; admission only stops newcomers from adding to that.) An engine with nothing
+running admits anything (progress).
+
+Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
+wakes them, continuing conversations first, when load is released.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+DEFAULT_OUTPUT_TOKENS = 256
+"""Output a request is expected to add when it names no max_tokens."""
+
+
+@dataclass
+class _Conversation:
+    replica: str
+    tokens: int
+    last_seen: float
+    running: int = 0
+
+
+class KVBudget:
+    def __init__(self, idle_s: float, fill: float = 0.95,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.idle_s, self.fill, self._clock = idle_s, fill, clock
+        self.capacity: dict[str, int] = {}
+        """KV tokens each engine holds (its blocks × block size)."""
+        self.running: Counter[str] = Counter()
+        """Per engine: tokens its running requests add to the cache."""
+        self.reserved: Counter[str] = Counter()
+        """Per engine: tokens of its live conversations' histories."""
+        self._live: OrderedDict[str, _Conversation] = OrderedDict()
+        """By last activity, oldest first."""
+
+    # --- membership ---------------------------------------------------------------------
+    def joined(self, replica: str, capacity_tokens: int) -> None:
+        self.capacity[replica] = capacity_tokens
+
+    def left(self, replica: str) -> None:
+        self.capacity.pop(replica, None)
+        self.running.pop(replica, None)
+        self.reserved.pop(replica, None)
+        for s in [s for s, c in self._live.items() if c.replica == replica]:
+            del self._live[s]
+
+    # --- queries ------------------------------------------------------------------------
+    def is_live(self, session: str | None) -> bool:
+        self._expire()
+        return session is not None and session in self._live
+
+    def adds(self, replica: str, session: str | None, prompt_tokens: int,
+             max_tokens: int) -> int:
+        """Tokens a request would add to `replica`'s cache: its prompt past the history its
+        conversation already holds there, and its output."""
+        conv = self._live.get(session) if session else None
+        held = conv.tokens if conv is not None and conv.replica == replica else 0
+        return max(0, prompt_tokens - held) + max_tokens
+
+    def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
+             max_tokens: int) -> list[str]:
+        """The candidates that can take the request now without pushing a live
+        conversation's history out of their cache."""
+        self._expire()
+        out = []
+        for r in candidates:
+            cap = self.capacity.get(r)
+            if cap is None or not self.running[r]:
+                out.append(r)
+                continue
+            conv = self._live.get(session) if session else None
+            need = self.adds(r, session, prompt_tokens, max_tokens)
+            # A conversation live here only has to fit next to what runs: the live
+            # histories are what admission protects from newcomers, not from each other.
+            protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
+            if self.running[r] + protected + need <= self.fill * cap:
+                out.append(r)
+        return out
+
+    # --- lifecycle ----------------------------------------------------------------------
+    def dispatched(self, replica: str, session: str | None, prompt_tokens: int,
+                   max_tokens: int) -> int:
+        """A request is sent to `replica`; returns the running tokens it holds until
+        `ended`."""
+        now = self._clock()
+        if session is None:
+            held = prompt_tokens + max_tokens
+        else:
+            conv = self._live.pop(session, None)
+            if conv is not None:
+                self.reserved[conv.replica] -= conv.tokens
+            running = conv.running if conv is not None else 0
+            # The prompt (the history and the new turn) becomes the conversation's; the
+            # output is running until the turn ends.
+            conv = _Conversation(replica, prompt_tokens, now, running + 1)
+            self._live[session] = conv
+            self.reserved[replica] += prompt_tokens
+            held = max_tokens
+        self.running[replica] += held
+        return held
+
+    def finished(self, replica: str, session: str | None, context_tokens: int) -> None:
+        """The turn ran to its end: the conversation's history is now `context_tokens`."""
+        conv = self._live.get(session) if session else None
+        if conv is not None and conv.replica == replica:
+            self.reserved[replica] += context_tokens - conv.tokens
+            conv.tokens = context_tokens
+
+    def ended(self, replica: str, session: str | None, held: int) -> None:
+        self.running[replica] -= held
+        conv = self._live.get(session) if session else None
+        if conv is not None:
+            conv.running = max(0, conv.running - 1)
+            conv.last_seen = self._clock()
+            self._live.move_to_end(session)
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self.idle_s
+        for s in list(self._live):
+            conv = self._live[s]
+            if conv.last_seen > cutoff:
+                break  # the rest are newer
+            if conv.running:
+                continue
+            del self._live[s]
+            self.reserved[conv.replica] -= conv.tokens

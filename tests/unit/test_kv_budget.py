@@ -1,0 +1,81 @@
+"""Cache-pressure-aware admission's bookkeeping (routing/kv_budget.py) and its place in the
+routing core's request lifecycle, on a fake clock."""
+
+from __future__ import annotations
+
+from rayattn.config.schema import RouterConfig
+from rayattn.routing.core import Finished, RoutingCore
+from rayattn.routing.kv_budget import KVBudget
+
+
+def test_live_histories_hold_new_conversations_back_until_they_go_quiet():
+    now = [0.0]
+    kv = KVBudget(idle_s=5.0, fill=1.0, clock=lambda: now[0])
+    kv.joined("e0", 10_000)
+    # Two conversations of 4k tokens each run a turn and finish: 8.2k tokens live.
+    held = {s: kv.dispatched("e0", s, 4000, 100) for s in ("a", "b")}
+    for s in ("a", "b"):
+        kv.finished("e0", s, 4100)
+        kv.ended("e0", s, held[s])
+    assert kv.reserved["e0"] == 8200 and kv.running["e0"] == 0
+    third = kv.dispatched("e0", "c", 1000, 100)  # a short one running meanwhile
+    # A new 2k-token conversation would push a live history out: it waits...
+    assert kv.room(["e0"], "d", 2000, 100) == []
+    # ...while a's next turn adds only its new 500 tokens and output: it runs.
+    assert kv.adds("e0", "a", 4600, 100) == 600 and kv.room(["e0"], "a", 4600, 100) == ["e0"]
+    # Histories that outgrow the cache by themselves do not stop their own next turns.
+    kv.finished("e0", "b", 9_000)
+    assert kv.room(["e0"], "b", 9_500, 100) == ["e0"] and kv.room(["e0"], "d", 10, 1) == []
+    kv.finished("e0", "b", 4100)
+    assert kv.is_live("a") and not kv.is_live("d")
+    now[0] = 6.0  # a and b went quiet (c is still running)
+    assert kv.room(["e0"], "d", 2000, 100) == ["e0"]
+    assert kv.reserved["e0"] == 1000 and not kv.is_live("a")
+    kv.ended("e0", "c", third)
+    # Nothing running: an engine takes anything, however big (no request waits forever).
+    kv.dispatched("e0", "x", 9_000, 100)
+    assert kv.room(["e0"], "y", 50_000, 100) == []
+    assert KVBudget(5.0).room(["unknown"], "y", 50_000, 100) == ["unknown"]
+
+
+def test_a_conversation_moving_takes_its_history_along_and_a_leaving_engine_its_own():
+    kv = KVBudget(idle_s=5.0)
+    kv.joined("e0", 10_000)
+    kv.joined("e1", 10_000)
+    h = kv.dispatched("e0", "a", 3000, 64)
+    kv.finished("e0", "a", 3064)
+    kv.ended("e0", "a", h)
+    # Its next turn on e1: nothing of it is held there, the whole prompt is new.
+    assert kv.adds("e1", "a", 3500, 64) == 3564
+    kv.dispatched("e1", "a", 3500, 64)
+    assert kv.reserved["e0"] == 0 and kv.reserved["e1"] == 3500
+    kv.left("e1")
+    assert not kv.is_live("a") and "e1" not in kv.capacity
+
+
+def test_core_lifecycle_keeps_the_budget():
+    now = [0.0]
+    core = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
+                                    conversation_idle_s=5.0).model_dump(), 16,
+                       clock=lambda: now[0])
+    assert core.joined("e0", 16, 500)  # 8,000 tokens
+    assert core.kv.capacity == {"e0": 8000}
+    route = core.request(list(range(3000)), session="s1")
+    route.max_tokens = 100
+    d = core.choose(route, ["e0"])
+    core.dispatched(d, route)
+    assert core.kv.running["e0"] == 100 and core.kv.reserved["e0"] == 3000
+    core.finished(d, route, Finished(3000, 0, list(range(64))))
+    core.ended(d)
+    core.ended(d)  # a second cleanup path releases nothing twice
+    assert core.kv.running["e0"] == 0 and core.kv.reserved["e0"] == 3064
+    other = core.request(list(range(50_000, 56_000)), session="s2")
+    other.max_tokens = 100
+    blocker = core.request(list(range(90_000, 90_100)))
+    b = core.choose(blocker, ["e0"])
+    core.dispatched(b, blocker)  # something running: the budget applies
+    assert core.kv_room(other, ["e0"]) == []  # 3,064 live + 6,100 > 8,000 × 0.95
+    now[0] = 6.0
+    assert core.kv_room(other, ["e0"]) == ["e0"]  # s1 went quiet
+    core.reset()  # a cold start forgets conversations, keeps what is running
+    assert core.kv.capacity == {"e0": 8000} and core.kv.running["e0"] == b.kv_held
