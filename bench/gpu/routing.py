@@ -384,6 +384,17 @@ def main() -> int:
         ok = all(checks[k] > 0 for k in need)
         report["checks"]["per_path_metrics_nonzero"] = {"pass": ok, **checks}
         log(f"ASSERT per_path_metrics_nonzero: {'PASS' if ok else 'FAIL'} {checks}")
+        if parse_args(args).engine.kv_offload.enabled:
+            # The dashboard's host-tier panels (CPU tests cannot run a host tier): every
+            # series they read is exported here, and moved during the runs.
+            from rayattn.metrics.dashboard import PANELS, metric_names
+
+            every = series(text, "ray_")
+            names = metric_names([e for p in PANELS if p.host_tier for e, _ in p.exprs])
+            got = {n: total(every, n + "{") for n in sorted(names)}
+            ok = all(v > 0 for v in got.values())
+            report["checks"]["host_tier_series_nonzero"] = {"pass": ok, **got}
+            log(f"ASSERT host_tier_series_nonzero: {'PASS' if ok else 'FAIL'} {got}")
         (out / "metrics.prom").write_text("\n".join(
             ln for ln in text.splitlines() if ln.startswith(("ray_rayattn_", "ray_vllm_"))))
     except Exception as e:

@@ -283,7 +283,9 @@ class RouterConfig(_Strict):
     would overflow the engine's KV cache, continuing conversations before new ones, so a
     burst of new conversations cannot evict the histories of those in their think time
     (routing/kv_budget.py). Without a host KV tier, LRU eviction otherwise makes every
-    turn a full prefill once the live histories outgrow HBM."""
+    turn a full prefill once the live histories outgrow HBM. With one (engine.kv_offload),
+    quiet histories survive in host memory: only the histories of turns in flight are
+    protected, and admission mostly runs continuing turns first."""
     conversation_idle_s: float = Field(5.0, gt=0)
     """`kv_admission`: how long after its last turn a conversation still counts as live
     (its history kept free of eviction). About the clients' think time; longer protects

@@ -90,6 +90,8 @@ class EngineInfo:
     startup_s: float
     kv_events: str | None
     """ZMQ endpoint of the engine's KV events (None: it publishes none)."""
+    host_kv_gib: float = 0.0
+    """Its host-memory KV tier (engine.kv_offload.size_gib; 0: none)."""
     engine_pids: list[int] = field(default_factory=list)
     devices: list[str | None] = field(default_factory=list)
     """GPU UUIDs, one per worker ([] on CPU)."""

@@ -88,6 +88,8 @@ class EngineReplica:
             "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
             "startup_s": round(time.monotonic() - t0, 2),
             "kv_events": kv_endpoint,
+            "host_kv_gib": (cfg.engine.kv_offload.size_gib if cfg.engine.kv_offload.enabled
+                            else 0.0),
         }
         self._inflight_by_origin: Counter[str] = Counter()
         # Bumped on every change of the counts: reports taken at different moments (a probe

@@ -7,6 +7,7 @@ Ray prefixes exported metric names with `ray_`. Dashboard variables: $model, $re
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,8 @@ import yaml
 
 SEL = 'model=~"$model"'
 RSEL = 'model=~"$model", replica=~"$replica"'
+VSEL = 'model_name=~"$model"'
+"""vLLM's own metrics (RayPrometheusStatLogger) label the served model `model_name`."""
 
 
 @dataclass(frozen=True)
@@ -23,6 +26,9 @@ class Panel:
     """(PromQL, legend) pairs."""
     unit: str = "s"
     kind: str = "timeseries"
+    host_tier: bool = False
+    """Has data only where engines run a host-memory KV tier (engine.kv_offload; vLLM's CPU
+    build has none): the CPU test skips it, the GPU bench checks its series."""
 
 
 def _q(h: str, q: float, by: str, sel: str = RSEL, window: str = "1m") -> str:
@@ -62,6 +68,26 @@ PANELS: list[Panel] = [
     Panel("Conversations moved off their previous replica/s, by reason",
           ((f"sum by (reason) (rate(ray_rayattn_router_session_moves_total{{{SEL}}}[5m]))",
             "{{reason}}"),), unit="reqps"),
+    Panel("Router index: blocks each engine holds, by tier",
+          ((f"sum by (target, tier) (ray_rayattn_router_index_blocks{{{SEL}}})",
+            "{{target}} {{tier}}"),), unit="short"),
+    Panel("Prefix hits by tier (tokens/s): engines (vLLM) vs the router's prediction",
+          ((f"sum(rate(ray_vllm_prefix_cache_hits_total{{{VSEL}}}[5m]))", "engine HBM"),
+           (f"sum(rate(ray_vllm_external_prefix_cache_hits_total{{{VSEL}}}[5m]))",
+            "engine host tier"),
+           (f"sum(rate(ray_rayattn_router_predicted_cached_tokens_total{{{SEL}}}[5m])) - "
+            f"sum(rate(ray_rayattn_router_predicted_reload_tokens_total{{{SEL}}}[5m]))",
+            "router HBM"),
+           (f"sum(rate(ray_rayattn_router_predicted_reload_tokens_total{{{SEL}}}[5m]))",
+            "router host tier")), unit="short", host_tier=True),
+    Panel("Host KV tier: bytes/s offloaded (HBM to host) and reloaded (host to HBM)",
+          ((f"sum(rate(ray_vllm_kv_offload_store_bytes_total{{{VSEL}}}[1m]))", "offload"),
+           (f"sum(rate(ray_vllm_kv_offload_load_bytes_total{{{VSEL}}}[1m]))", "reload")),
+          unit="Bps", host_tier=True),
+    Panel("Host KV tier: transfer time per second of wall time",
+          ((f"sum(rate(ray_vllm_kv_offload_store_time_total{{{VSEL}}}[1m]))", "offload"),
+           (f"sum(rate(ray_vllm_kv_offload_load_time_total{{{VSEL}}}[1m]))", "reload")),
+          unit="percentunit", host_tier=True),
     Panel("In-flight requests per replica",
           ((f'max by (target) (ray_rayattn_router_inflight{{{SEL}}})', "{{target}}"),),
           unit="short"),
@@ -168,9 +194,17 @@ def alert_rules() -> dict:
          "annotations": {"summary": a.summary, "runbook": a.action}} for a in ALERTS]}]}
 
 
-def all_queries() -> list[str]:
-    """Every dashboard expression plus every alert quantity (for tests)."""
-    return [e for p in PANELS for e, _ in p.exprs] + [a.quantity for a in ALERTS]
+def all_queries(host_tier: bool = True) -> list[str]:
+    """Every dashboard expression plus every alert quantity (for tests); without the
+    host-tier panels' when `host_tier` is False."""
+    return [e for p in PANELS if host_tier or not p.host_tier for e, _ in p.exprs] + \
+        [a.quantity for a in ALERTS]
+
+
+def metric_names(exprs: list[str]) -> set[str]:
+    """The series names the expressions read (histograms by their base name)."""
+    names = set(re.findall(r"\b(ray_[a-z0-9_]+)\{", " ".join(exprs)))
+    return {re.sub(r"_bucket$", "", n) for n in names}
 
 
 def write(out_dir: str | Path) -> None:

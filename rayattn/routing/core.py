@@ -138,10 +138,12 @@ class RoutingCore:
 
     # --- membership ---------------------------------------------------------------------
     def joined(self, name: str, block_size: int, capacity_blocks: int,
-               device: str | None = None, max_batch: int = 0) -> bool:
+               device: str | None = None, max_batch: int = 0,
+               host_tier: bool = False) -> bool:
         """An engine replica is up. False when the router cannot route to it correctly.
         `device`: what it computes on (GPU UUIDs); replicas naming the same one share its
-        throughput. `max_batch`: the requests its engine runs in one batch (routing/load.py)."""
+        throughput. `max_batch`: the requests its engine runs in one batch (routing/load.py).
+        `host_tier`: it keeps blocks evicted from HBM in host memory (engine.kv_offload)."""
         if block_size != self.block_size and not self.routable:
             # The engine is the authority on its block size (vLLM may override the configured
             # one for a backend): the first engine up sets what the router hashes.
@@ -160,7 +162,7 @@ class RoutingCore:
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
         self.routable[name] = capacity_blocks
-        self.kv.joined(name, capacity_blocks * self.block_size)
+        self.kv.joined(name, capacity_blocks * self.block_size, host_tier)
         if device:
             self.load.device[name] = device
         if max_batch:
@@ -354,6 +356,7 @@ class RoutingCore:
         old, self.kv = self.kv, KVBudget(self.settings["conversation_idle_s"],
                                          self.settings["kv_admission_fill"], self._clock)
         self.kv.capacity, self.kv.running = old.capacity, old.running
+        self.kv.host_tier = old.host_tier
         self.regret_tokens.clear()
         self.session_moves.clear()
         return self.policy.name

@@ -18,6 +18,12 @@ conversation goes quiet. (Live histories that outgrow the cache by themselves st
 each other; admission only stops newcomers from adding to that.) An engine with nothing
 running admits anything (progress).
 
+An engine with a host-memory KV tier (engine.kv_offload) keeps the histories of quiet
+conversations there: evicting them from HBM costs a reload (a copy, ~0.2-0.6 of a prefill,
+docs/gpu.md), not a recompute. There only the histories of conversations with a turn in
+flight are protected, every request needs its whole prompt in HBM (a reload occupies HBM
+blocks like a prefill), and continuing conversations still go first.
+
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
 """
@@ -51,17 +57,27 @@ class KVBudget:
         """Per engine: tokens its running requests add to the cache."""
         self.reserved: Counter[str] = Counter()
         """Per engine: tokens of its live conversations' histories."""
+        self.active: Counter[str] = Counter()
+        """Per engine: tokens of the histories of conversations with a turn in flight."""
+        self.host_tier: set[str] = set()
+        """Engines with a host-memory KV tier."""
         self._live: OrderedDict[str, _Conversation] = OrderedDict()
         """By last activity, oldest first."""
 
     # --- membership ---------------------------------------------------------------------
-    def joined(self, replica: str, capacity_tokens: int) -> None:
+    def joined(self, replica: str, capacity_tokens: int, host_tier: bool = False) -> None:
         self.capacity[replica] = capacity_tokens
+        if host_tier:
+            self.host_tier.add(replica)
+        else:
+            self.host_tier.discard(replica)
 
     def left(self, replica: str) -> None:
         self.capacity.pop(replica, None)
         self.running.pop(replica, None)
         self.reserved.pop(replica, None)
+        self.active.pop(replica, None)
+        self.host_tier.discard(replica)
         for s in [s for s, c in self._live.items() if c.replica == replica]:
             del self._live[s]
 
@@ -90,10 +106,20 @@ class KVBudget:
                 out.append(r)
                 continue
             conv = self._live.get(session) if session else None
-            need = self.adds(r, session, prompt_tokens, max_tokens)
-            # A conversation live here only has to fit next to what runs: the live
-            # histories are what admission protects from newcomers, not from each other.
-            protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
+            if r in self.host_tier:
+                # Quiet histories are safe in the host tier: protect only those in use,
+                # and count the whole prompt (what the host tier holds is reloaded into
+                # HBM blocks).
+                own = conv.tokens if conv is not None and conv.replica == r and \
+                    conv.running else 0
+                protected = self.active[r] - own
+                need = prompt_tokens + max_tokens
+            else:
+                need = self.adds(r, session, prompt_tokens, max_tokens)
+                # A conversation live here only has to fit next to what runs: the live
+                # histories are what admission protects from newcomers, not from each
+                # other.
+                protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
             if self.running[r] + protected + need <= self.fill * cap:
                 out.append(r)
         return out
@@ -110,12 +136,15 @@ class KVBudget:
             conv = self._live.pop(session, None)
             if conv is not None:
                 self.reserved[conv.replica] -= conv.tokens
+                if conv.running:
+                    self.active[conv.replica] -= conv.tokens
             running = conv.running if conv is not None else 0
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
             conv = _Conversation(replica, prompt_tokens, now, running + 1)
             self._live[session] = conv
             self.reserved[replica] += prompt_tokens
+            self.active[replica] += prompt_tokens
             held = max_tokens
         self.running[replica] += held
         return held
@@ -125,12 +154,16 @@ class KVBudget:
         conv = self._live.get(session) if session else None
         if conv is not None and conv.replica == replica:
             self.reserved[replica] += context_tokens - conv.tokens
+            if conv.running:
+                self.active[replica] += context_tokens - conv.tokens
             conv.tokens = context_tokens
 
     def ended(self, replica: str, session: str | None, held: int) -> None:
         self.running[replica] -= held
         conv = self._live.get(session) if session else None
         if conv is not None:
+            if conv.running == 1:
+                self.active[conv.replica] -= conv.tokens
             conv.running = max(0, conv.running - 1)
             conv.last_seen = self._clock()
             self._live.move_to_end(session)

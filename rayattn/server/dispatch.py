@@ -167,7 +167,7 @@ class Dispatcher:
         # Engines naming the same GPUs share them (two engines on one GPU).
         device = ",".join(sorted(d for d in r.info.devices if d)) or None
         if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device,
-                                r.info.max_num_seqs):
+                                r.info.max_num_seqs, r.info.host_kv_gib > 0):
             return False
         self.feeds.join(r.name, r.info.kv_events, r.handle)
         return True

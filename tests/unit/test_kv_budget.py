@@ -38,6 +38,32 @@ def test_live_histories_hold_new_conversations_back_until_they_go_quiet():
     assert KVBudget(5.0).room(["unknown"], "y", 50_000, 100) == ["unknown"]
 
 
+def test_with_a_host_tier_only_histories_in_use_are_protected():
+    now = [0.0]
+    kv = KVBudget(idle_s=5.0, fill=1.0, clock=lambda: now[0])
+    kv.joined("gpu", 10_000)
+    kv.joined("host", 10_000, host_tier=True)
+    for r in ("gpu", "host"):
+        # a's turn is over (quiet, live), b's is in flight: 4k + 4k of histories.
+        ha = kv.dispatched(r, f"a{r}", 4000, 100)
+        kv.finished(r, f"a{r}", 4100)
+        kv.ended(r, f"a{r}", ha)
+        kv.dispatched(r, f"b{r}", 4000, 100)
+    assert kv.active["host"] == 4000 and kv.reserved["host"] == 8100
+    # Without a host tier the quiet history is protected: a 2k newcomer waits. With one,
+    # the quiet history survives eviction in host memory: only b's in-flight history and
+    # running output count, and the newcomer runs.
+    assert kv.room(["gpu", "host"], "d", 2000, 100) == ["host"]
+    # A prompt needs all of its blocks in HBM there, reloaded history included: a's next
+    # turn (4.6k) fits next to b (4.1k), a 6k newcomer does not.
+    assert kv.room(["host"], "ahost", 4600, 100) == ["host"]
+    assert kv.room(["host"], "e", 6000, 100) == []
+    # b's turn ends: its history is quiet too, and out of the protected set.
+    kv.finished("host", "bhost", 4100)
+    kv.ended("host", "bhost", 100)
+    assert kv.active["host"] == 0 and kv.running["host"] == 0
+
+
 def test_a_conversation_moving_takes_its_history_along_and_a_leaving_engine_its_own():
     kv = KVBudget(idle_s=5.0)
     kv.joined("e0", 10_000)

@@ -16,7 +16,8 @@ def test_serve_flags_round_trip_through_vllms_parser():
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    plan = build_plan(parse_args(args["applications"][0]["args"]))
+    # vLLM's parser resolves the model: prepare it (cached after the first time).
+    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
     kw = dict(plan.engine_kwargs)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     ns = parser.parse_args(["--model", kw["model"], *serve_flags(kw)])
