@@ -64,6 +64,22 @@ def test_with_a_host_tier_only_histories_in_use_are_protected():
     assert kv.active["host"] == 0 and kv.running["host"] == 0
 
 
+def test_a_live_conversation_waits_for_its_home_instead_of_moving():
+    kv = KVBudget(idle_s=5.0, fill=1.0)
+    for r in ("e0", "e1"):
+        kv.joined(r, 10_000, host_tier=True)
+    h = kv.dispatched("e0", "a", 3000, 64)
+    kv.finished("e0", "a", 3064)
+    kv.ended("e0", "a", h)
+    kv.dispatched("e0", "b", 7000, 64)  # e0 is nearly full with b's turn
+    # a's next turn does not fit next to b on e0; e1 has room but not a's history: it
+    # waits for e0 (a newcomer takes e1)...
+    assert kv.room(["e0", "e1"], "a", 3500, 64) == []
+    assert kv.room(["e0", "e1"], "new", 3500, 64) == ["e1"]
+    # ...unless e0 is not a candidate at all (it failed the turn, or left): then it moves.
+    assert kv.room(["e1"], "a", 3500, 64) == ["e1"]
+
+
 def test_a_conversation_moving_takes_its_history_along_and_a_leaving_engine_its_own():
     kv = KVBudget(idle_s=5.0)
     kv.joined("e0", 10_000)
