@@ -294,6 +294,13 @@ class RouterConfig(_Strict):
     """`kv_admission`: the fraction of each engine's KV cache that running requests and
     protected histories may fill (the rest is headroom for what the router cannot see:
     other routers' requests, output beyond max_tokens estimates)."""
+    kv_admission_protect: Literal["auto", "live", "running"] = "auto"
+    """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every
+    live conversation's (continuing turns never queue behind new conversations' prefills;
+    new conversations wait until live ones go quiet). `running`: only those with a turn in
+    flight, every prompt counted whole (quiet histories wait in the engine's host KV tier;
+    admission then mostly runs continuing turns first). `auto`: `running` on engines with
+    a host tier (engine.kv_offload), else `live` (docs/gpu.md section 9 measures both)."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2

@@ -110,7 +110,8 @@ class RoutingCore:
         self.regret_tokens: Counter[str] = Counter()
         self.session_moves: Counter[str] = Counter()
         self.kv = KVBudget(self.settings["conversation_idle_s"],
-                           self.settings["kv_admission_fill"], clock)
+                           self.settings["kv_admission_fill"], clock,
+                           self.settings["kv_admission_protect"])
         """Cache-pressure admission's bookkeeping (the dispatcher gates on it when
         router.kv_admission is on)."""
 
@@ -336,6 +337,7 @@ class RoutingCore:
         elif isinstance(self.index, EventIndex):
             self.index.ttl_s = new["speculative_ttl_s"]  # for blocks sent from now on
         self.kv.idle_s, self.kv.fill = new["conversation_idle_s"], new["kv_admission_fill"]
+        self.kv.protect = new["kv_admission_protect"]
         reads = policies.spec(new["policy"]).settings
         if index_changed or old["policy"] != new["policy"] or \
                 any(old[k] != new[k] for k in reads):
@@ -354,7 +356,8 @@ class RoutingCore:
         self.policy = self._new_policy(self.settings["policy"])
         self._last_replica.clear()
         old, self.kv = self.kv, KVBudget(self.settings["conversation_idle_s"],
-                                         self.settings["kv_admission_fill"], self._clock)
+                                         self.settings["kv_admission_fill"], self._clock,
+                                         self.settings["kv_admission_protect"])
         self.kv.capacity, self.kv.running = old.capacity, old.running
         self.kv.host_tier = old.host_tier
         self.regret_tokens.clear()

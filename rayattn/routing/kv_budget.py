@@ -20,9 +20,10 @@ running admits anything (progress).
 
 An engine with a host-memory KV tier (engine.kv_offload) keeps the histories of quiet
 conversations there: evicting them from HBM costs a reload (a copy, ~0.2-0.6 of a prefill,
-docs/gpu.md), not a recompute. There only the histories of conversations with a turn in
-flight are protected, every request needs its whole prompt in HBM (a reload occupies HBM
-blocks like a prefill), and continuing conversations still go first.
+docs/gpu.md), not a recompute. There, by default (router.kv_admission_protect: auto), only
+the histories of conversations with a turn in flight are protected, every request needs its
+whole prompt in HBM (a reload occupies HBM blocks like a prefill), and continuing
+conversations still go first; `live` keeps the strict rule above on such engines too.
 
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
@@ -49,8 +50,10 @@ class _Conversation:
 
 class KVBudget:
     def __init__(self, idle_s: float, fill: float = 0.95,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, protect: str = "auto") -> None:
         self.idle_s, self.fill, self._clock = idle_s, fill, clock
+        self.protect = protect
+        """router.kv_admission_protect: auto, live or running."""
         self.capacity: dict[str, int] = {}
         """KV tokens each engine holds (its blocks × block size)."""
         self.running: Counter[str] = Counter()
@@ -112,7 +115,7 @@ class KVBudget:
             if cap is None or not self.running[r]:
                 out.append(r)
                 continue
-            if r in self.host_tier:
+            if self._protects_running_only(r):
                 # Quiet histories are safe in the host tier: protect only those in use,
                 # and count the whole prompt (what the host tier holds is reloaded into
                 # HBM blocks).
@@ -129,6 +132,11 @@ class KVBudget:
             if self.running[r] + protected + need <= self.fill * cap:
                 out.append(r)
         return out
+
+    def _protects_running_only(self, replica: str) -> bool:
+        if self.protect == "auto":
+            return replica in self.host_tier
+        return self.protect == "running"
 
     # --- lifecycle ----------------------------------------------------------------------
     def dispatched(self, replica: str, session: str | None, prompt_tokens: int,

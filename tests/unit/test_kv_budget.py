@@ -64,6 +64,19 @@ def test_with_a_host_tier_only_histories_in_use_are_protected():
     assert kv.active["host"] == 0 and kv.running["host"] == 0
 
 
+def test_protect_live_keeps_the_strict_rule_on_a_host_tier_engine():
+    kv = KVBudget(idle_s=5.0, fill=1.0, protect="live")
+    kv.joined("host", 10_000, host_tier=True)
+    h = kv.dispatched("host", "a", 4000, 100)
+    kv.finished("host", "a", 4100)
+    kv.ended("host", "a", h)
+    kv.dispatched("host", "b", 4000, 100)
+    # a's quiet history is protected like b's: a 2k newcomer waits (auto would admit it).
+    assert kv.room(["host"], "d", 2000, 100) == []
+    kv.protect = "auto"
+    assert kv.room(["host"], "d", 2000, 100) == ["host"]
+
+
 def test_a_live_conversation_waits_for_its_home_instead_of_moving():
     kv = KVBudget(idle_s=5.0, fill=1.0)
     for r in ("e0", "e1"):
