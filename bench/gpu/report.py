@@ -96,21 +96,22 @@ def routing(path: Path, tok, out: Path) -> dict:
         "n": len(a["hit_rate"]), "values": {k: v for k, v in a.items()}}
         for (w, s, p), a in agg.items()}
     ratios = {}
+    keys = {"hit_over_oracle": "hit_over_oracle", "ttft_p50": "ttft_p50_s",
+            "ttft_p90": "ttft_p90_s", "later_ttft_p50": "later_ttft_p50_s",
+            "later_ttft_p90": "later_ttft_p90_s", "output_tok_per_s": "output_tok_per_s",
+            "wall": "wall_s"}
     for w in wls:
-        aff = table.get(f"{w}|rayattn|affinity")
         peers = {k.split("|")[2]: v for k, v in table.items()
                  if k.startswith(f"{w}|vllm-router|")}
-        if not aff or not peers:
+        ours = {k.split("|")[2]: v for k, v in table.items() if k.startswith(f"{w}|rayattn|")}
+        if not ours or not peers:
             continue
         best = min(peers, key=lambda p: peers[p]["ttft_p90_s"])
-        ratios[w] = {"best_peer_by_ttft_p90": best, **{p: {
-            "hit_over_oracle": aff["hit_over_oracle"] / v["hit_over_oracle"],
-            "ttft_p50": aff["ttft_p50_s"] / v["ttft_p50_s"],
-            "ttft_p90": aff["ttft_p90_s"] / v["ttft_p90_s"],
-            "later_ttft_p50": aff["later_ttft_p50_s"] / v["later_ttft_p50_s"],
-            "later_ttft_p90": aff["later_ttft_p90_s"] / v["later_ttft_p90_s"],
-            "output_tok_per_s": aff["output_tok_per_s"] / v["output_tok_per_s"],
-            "wall": aff["wall_s"] / v["wall_s"]} for p, v in peers.items()}}
+        # One row per rayattn policy (variants included) and peer policy; None where the
+        # peer's figure is 0 (e.g. no hits at all).
+        ratios[w] = {"best_peer_by_ttft_p90": best, "by_policy": {pol: {p: {
+            k: (a[m] / v[m] if v[m] else None) for k, m in keys.items()}
+            for p, v in peers.items()} for pol, a in ours.items()}}
     summary = {"rows": rows, "table": table, "ratios": ratios,
                "checks": rep.get("checks"), "engines": rep.get("engines"),
                "gpu_processes": rep.get("gpu_processes"), "plan": rep.get("plan"),
@@ -146,18 +147,22 @@ def routing(path: Path, tok, out: Path) -> dict:
         legs = " | ".join(f"{v['p50_ms']:.0f} / {v['p99_ms']:.0f}" for v in r["hops"].values())
         print(f"| {r['workload']} | {r['policy']} | {legs} | "
               f"{r.get('rendered_by_router')}/{r['ok']} |")
-    print("\nratios rayattn affinity / vllm-router policy (means over repeats):")
-    print("| workload | peer policy | hit/oracle | TTFT p50 | TTFT p90 | later p50 | later p90 "
-          "| output tok/s | wall |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\nratios rayattn policy / vllm-router policy (means over repeats; - where the "
+          "peer's figure is 0):")
+    print("| workload | rayattn policy | peer policy | hit/oracle | TTFT p50 | TTFT p90 | "
+          "later p50 | later p90 | output tok/s | wall |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+
+    def fmt(x: float | None, f: str) -> str:
+        return "-" if x is None else format(x, f)
     for w, r in ratios.items():
-        for p, v in r.items():
-            if p == "best_peer_by_ttft_p90":
-                continue
-            mark = " (best TTFT p90)" if p == r["best_peer_by_ttft_p90"] else ""
-            print(f"| {w} | {p}{mark} | {v['hit_over_oracle']:.3f} | {v['ttft_p50']:.2f} | "
-                  f"{v['ttft_p90']:.2f} | {v['later_ttft_p50']:.2f} | {v['later_ttft_p90']:.2f} "
-                  f"| {v['output_tok_per_s']:.2f} | {v['wall']:.2f} |")
+        for pol, by_peer in r["by_policy"].items():
+            for p, v in by_peer.items():
+                mark = " (best TTFT p90)" if p == r["best_peer_by_ttft_p90"] else ""
+                print(f"| {w} | {pol} | {p}{mark} | {fmt(v['hit_over_oracle'], '.3f')} | "
+                      + " | ".join(fmt(v[k], ".2f") for k in (
+                          "ttft_p50", "ttft_p90", "later_ttft_p50", "later_ttft_p90",
+                          "output_tok_per_s", "wall")) + " |")
     return summary
 
 
