@@ -49,7 +49,7 @@ def wait_healthy(url: str, timeout: float = 300) -> dict:
         try:
             r = httpx.get(f"{url}/health", timeout=10)
             last = r.json()
-            if r.status_code == 200 and len(last["replicas_up"]) == len(last["engines"]):
+            if r.status_code == 200 and last["up"] == last["of"]:
                 return last
         except (httpx.HTTPError, ValueError) as e:  # proxy or route not up yet
             last = repr(e)

@@ -216,6 +216,27 @@ class PlatformConfig(_Strict):
     next to the processes themselves; `rayattn check` says when they do not."""
 
 
+class RequestLimits(_Strict):
+    """Sizes of the request fields that multiply an engine's work (rayattn/server/limits.py):
+    beyond them a request is answered 400 naming the field, before it is rendered or
+    admitted."""
+
+    max_n: PositiveInt = 8
+    """`n` / `best_of`: samples per request (each is a sequence in the engine's batch)."""
+    max_stop: PositiveInt = 16
+    """Entries of `stop` / `stop_token_ids` (checked at every decode step; OpenAI allows 4)."""
+    max_logit_bias: PositiveInt = 300
+    """Entries of `logit_bias` (OpenAI's own limit is 300)."""
+    max_schema_bytes: PositiveInt = 64 * 1024
+    """Serialized size of a structured-output spec (`response_format`, `structured_outputs`,
+    `guided_*`): the grammar backend compiles it before the first token."""
+    max_prompts: PositiveInt = 16
+    """Prompts in one /v1/completions request (one engine request each)."""
+    max_session_id_bytes: PositiveInt = 256
+    """Length of the session header (router.session_header); routers keep one entry per
+    conversation."""
+
+
 class RouterConfig(_Strict):
     index: Literal["events", "predicted"] = "events"
     """Where the router's picture of each engine's cache comes from. `events`: the engines'
@@ -311,6 +332,8 @@ class RouterConfig(_Strict):
     """Upper bound on one request; the engine request is aborted when it passes."""
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
     """Largest accepted request body (413 beyond)."""
+    limits: RequestLimits = Field(default_factory=RequestLimits)
+    """Sizes of the fields that multiply the work of one request (400 beyond)."""
     api_keys_env: str | None = None
     """Name of an environment variable of the router processes that holds the accepted API
     keys, comma-separated. Set: every route but /health needs `Authorization: Bearer <key>`

@@ -103,5 +103,7 @@ class RouterMetrics:
         self.replicas.set(members, self.base)
 
     def left(self, replica: str) -> None:
-        # A replica that left (scale-down, update) keeps no stale in-flight value.
+        # A replica that left (scale-down, update) keeps no stale in-flight value or blocks.
         self.inflight.set(0, {**self.base, "target": replica})
+        for tier in ("gpu", "cpu"):
+            self.index_blocks.set(0, {**self.base, "target": replica, "tier": tier})

@@ -190,6 +190,7 @@ class RoutingCore:
         """The routing view of a prompt: its block keys. A conversation's new turn extends
         its previous prompt (and answer): only the blocks after what it shares with them
         are hashed."""
+        session = session or None  # an empty header names no conversation
         known = self._known_hashes(token_ids, session) if session else []
         hashes = self.hasher.full_hashes(token_ids, known)
         self.hashed_blocks += len(hashes) - len(known)

@@ -4,10 +4,11 @@ conversations an engine is serving keep their KV cache.
 When the live conversations' histories outgrow an engine's KV cache, vLLM admits every
 request it is sent and evicts cached blocks least-recently-used to make room: a stream of
 new conversations pushes out the history of every conversation in its think time, and each
-next turn prefills its whole history again (measured on one H200: 0.074 of the oracle for
-every router alike, docs/gpu.md). Here the router keeps, per engine, the tokens of
+next turn prefills its whole history again (measured on one H200: 0.000-0.07 of the oracle
+for every router alike, docs/gpu.md). Here the router keeps, per engine, the tokens of
 
-  * its running requests (what they add to the cache: new prompt tokens and output), and
+  * its running requests (what they add to the cache: their output, and the prompts of
+    requests without a session), and
   * the histories of its live conversations (a turn in flight or finished less than
     `idle_s` ago, by the session header),
 
@@ -76,8 +77,9 @@ class KVBudget:
             self.host_tier.discard(replica)
 
     def left(self, replica: str) -> None:
+        # `running` stays: requests still running there end later (and a replica marked
+        # down may rejoin under its name); dropping it here would leave it negative.
         self.capacity.pop(replica, None)
-        self.running.pop(replica, None)
         self.reserved.pop(replica, None)
         self.active.pop(replica, None)
         self.host_tier.discard(replica)
@@ -94,8 +96,7 @@ class KVBudget:
         """Tokens a request would add to `replica`'s cache: its prompt past the history its
         conversation already holds there, and its output."""
         conv = self._live.get(session) if session else None
-        held = conv.tokens if conv is not None and conv.replica == replica else 0
-        return max(0, prompt_tokens - held) + max_tokens
+        return max(0, prompt_tokens - _held(conv, replica)) + max_tokens
 
     def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
              max_tokens: int) -> list[str]:
@@ -103,35 +104,35 @@ class KVBudget:
         conversation's history out of their cache."""
         self._expire()
         conv = self._live.get(session) if session else None
-        if conv is not None and conv.replica in candidates:
+        out = [r for r in candidates if self._fits(r, conv, prompt_tokens, max_tokens)]
+        if conv is not None and conv.replica in candidates and conv.replica not in out:
             # A live conversation waits for the engine that holds its history rather than
-            # moving to one with room: there it would recompute all of it (measured on one
-            # H200 with a host tier: 178 of 384 later turns moved, hits 0.69 -> 0.42-0.49).
-            # Moving stays the policy's call (load guard, cost) once it has room at home.
-            candidates = [conv.replica]
-        out = []
-        for r in candidates:
-            cap = self.capacity.get(r)
-            if cap is None or not self.running[r]:
-                out.append(r)
-                continue
-            if self._protects_running_only(r):
-                # Quiet histories are safe in the host tier: protect only those in use,
-                # and count the whole prompt (what the host tier holds is reloaded into
-                # HBM blocks).
-                own = conv.tokens if conv is not None and conv.replica == r and \
-                    conv.running else 0
-                protected = self.active[r] - own
-                need = prompt_tokens + max_tokens
-            else:
-                need = self.adds(r, session, prompt_tokens, max_tokens)
-                # A conversation live here only has to fit next to what runs: the live
-                # histories are what admission protects from newcomers, not from each
-                # other.
-                protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
-            if self.running[r] + protected + need <= self.fill * cap:
-                out.append(r)
+            # moving only because another has room: there it would recompute all of it
+            # (one H200 with a host tier: 178 of 384 later turns moved, hits 0.69 ->
+            # 0.42-0.49). Once it fits at home, moving is the policy's call again.
+            return []
         return out
+
+    def _fits(self, r: str, conv: _Conversation | None, prompt_tokens: int,
+              max_tokens: int) -> bool:
+        cap = self.capacity.get(r)
+        if cap is None or not self.running[r]:
+            return True
+        if self._protects_running_only(r):
+            # Quiet histories are safe in the host tier: protect only those in use,
+            # and count the whole prompt (what the host tier holds is reloaded into
+            # HBM blocks).
+            own = conv.tokens if conv is not None and conv.replica == r and \
+                conv.running else 0
+            protected = self.active[r] - own
+            need = prompt_tokens + max_tokens
+        else:
+            need = max(0, prompt_tokens - _held(conv, r)) + max_tokens
+            # A conversation live here only has to fit next to what runs: the live
+            # histories are what admission protects from newcomers, not from each
+            # other.
+            protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
+        return self.running[r] + protected + need <= self.fill * cap
 
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":
@@ -144,7 +145,7 @@ class KVBudget:
         """A request is sent to `replica`; returns the running tokens it holds until
         `ended`."""
         now = self._clock()
-        if session is None:
+        if not session:
             held = prompt_tokens + max_tokens
         else:
             conv = self._live.pop(session, None)
@@ -192,3 +193,8 @@ class KVBudget:
                 continue
             del self._live[s]
             self.reserved[conv.replica] -= conv.tokens
+
+
+def _held(conv: _Conversation | None, replica: str) -> int:
+    """Tokens of `conv`'s history cached on `replica`."""
+    return conv.tokens if conv is not None and conv.replica == replica else 0

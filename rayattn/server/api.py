@@ -16,7 +16,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from rayattn.server.errors import APIError
 from rayattn.server.ingress import Ingress
 
-app = FastAPI(title="rayattn", version="0.1.0")
+# No /docs, /redoc or /openapi.json: they would list the admin routes to anyone.
+app = FastAPI(title="rayattn", version="0.1.0", docs_url=None, redoc_url=None,
+              openapi_url=None)
 
 
 @app.exception_handler(StarletteHTTPException)
@@ -49,9 +51,10 @@ class Router(Ingress):
         return await self.admin_reset(request)
 
     @app.get("/health")
-    async def health_check(self):
-        # Open without a key: load balancers and Kubernetes probes call it.
-        return await self.health()
+    async def health_check(self, request: Request):
+        # Open without a key (load balancers and Kubernetes probes call it); the details
+        # need the admin key where keys are configured.
+        return await self.health(request)
 
     async def reconfigure(self, router: dict[str, Any]) -> None:
         # async: Serve then runs it on the replica's event loop, where the KV feeds live.

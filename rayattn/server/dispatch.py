@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import heapq
 import itertools
 import logging
 import time
@@ -129,8 +128,9 @@ class Dispatcher:
                                 hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12])
         self.feeds = KVFeeds(self.core)
         self.metrics = RouterMetrics(cfg.model.name, self.core.policy.name) if metrics else None
-        self._kv_waiters: list[tuple[int, int, asyncio.Future[None]]] = []
-        """Requests held by cache-pressure admission: (continuing? 0 : 1, arrival, wake)."""
+        self._kv_waiters: dict[int, tuple[int, asyncio.Future[None]]] = {}
+        """Requests held by cache-pressure admission, by arrival: (class, wake-up);
+        continuing conversations are class 0."""
         self._kv_seq = itertools.count()
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
@@ -345,29 +345,37 @@ class Dispatcher:
                            wait_until: float) -> list[str]:
         """The candidates with KV room for `route` (routing/kv_budget.py); while there are
         none, the request waits here, woken as requests end, continuing conversations
-        first and in arrival order within each class."""
+        first and in arrival order within each class. The request's own timeout
+        (router.request_timeout_s) bounds the wait."""
         prio = 0 if self.core.kv.is_live(route.session) else 1
-        t0, waited = time.monotonic(), False
-        while True:
-            candidates = await self._candidates(tried, wait_until)
-            room = self.core.kv_room(route, candidates)
-            if room:
-                if waited:
-                    self.counts["kv_held"] += 1
-                    self.counts["kv_held_s"] += time.monotonic() - t0
-                return room
-            waited = True
-            wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            heapq.heappush(self._kv_waiters, (prio, next(self._kv_seq), wake))
-            # Woken when a request ends; the timeout re-checks for conversations gone idle.
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(wake, KV_RECHECK_S)
+        t0, seq = time.monotonic(), next(self._kv_seq)
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                candidates = await self._candidates(tried, wait_until)
+                if not self.core.settings["kv_admission"]:
+                    return candidates  # switched off while this request waited
+                room = self.core.kv_room(route, candidates)
+                if room:
+                    if seq in self._kv_waiters:
+                        self.counts["kv_held"] += 1
+                        self.counts["kv_held_s"] += time.monotonic() - t0
+                    return room
+                # One entry per waiting request, re-armed on every wake-up or re-check, so
+                # its place (class, arrival) stays what it was when it first waited.
+                wake: asyncio.Future[None] = loop.create_future()
+                self._kv_waiters[seq] = (prio, wake)
+                # Woken when a request ends; the timeout re-checks for conversations gone
+                # idle.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(wake, KV_RECHECK_S)
+        finally:
+            self._kv_waiters.pop(seq, None)
 
     def _kv_wake(self) -> None:
         """Load was released: every held request looks again, in priority order (the
         first ones take the room; the others wait again)."""
-        waiters, self._kv_waiters = self._kv_waiters, []
-        for _, _, wake in sorted(waiters):
+        for _, (_, wake) in sorted(self._kv_waiters.items(), key=lambda kv: (kv[1][0], kv[0])):
             if not wake.done():
                 wake.set_result(None)
 

@@ -22,6 +22,7 @@ from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
+from rayattn.server import limits
 from rayattn.server.dispatch import Dispatcher, Slot
 from rayattn.server.errors import (
     APIError,
@@ -68,6 +69,17 @@ class Ingress:
     def _authorize(self, request: Request, admin: bool = False) -> None:
         self.keys.check(request.headers.get("authorization"), admin)
 
+    def _is_admin(self, request: Request) -> bool:
+        """Whether the caller could open the admin API (every caller where no keys are
+        configured). Only such callers see the router's account of a request (replica,
+        predicted cache hits, other replicas' load) and /health's details: to a tenant,
+        where another tenant's prompt is cached is an oracle on that prompt."""
+        try:
+            self._authorize(request, admin=True)
+            return True
+        except APIError:
+            return False
+
     # --- plumbing -----------------------------------------------------------------------
     async def _start(self) -> None:
         """The fleet view, and vLLM's renderer built in the background from the first call
@@ -111,6 +123,7 @@ class Ingress:
             raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
+        limits.check(kind, data, self.cfg.router.limits)
         model = data.get("model")
         if model is not None and model != self.model_name:
             # vLLM's own answer, given here before the prompt is rendered and routed.
@@ -151,6 +164,9 @@ class Ingress:
             return e.response()
         try:
             self._authorize(request)
+            limits.check_session(self.cfg.router.session_header,
+                                 request.headers.get(self.cfg.router.session_header),
+                                 self.cfg.router.limits)
             await self._start()
             data, body = await self._body(request, kind)
             slot = self.dispatcher.admit()
@@ -180,6 +196,7 @@ class Ingress:
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
+        account = self._is_admin(request)
         if stream:
             # The first item before the response starts: a request that fails before any
             # output (no replica, vLLM rejects it, timeout) gets its real status code.
@@ -198,14 +215,14 @@ class Ingress:
             if first.status != 200:
                 slot.release()
                 await items.aclose()
-                return _passthrough(first, decision)
-            return _Stream(self._sse(first, decision, items, arrived, deadline), slot,
+                return _passthrough(first, decision, account)
+            return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
                            media_type="text/event-stream",
-                           headers={"x-rayattn-replica": decision.replica})
-        return await self._complete(oreq, route, arrived, slot)
+                           headers=_replica_header(decision, account))
+        return await self._complete(oreq, route, arrived, slot, account)
 
     async def _complete(self, req: OpenAIRequest, route: Any, arrived: Arrival,
-                        slot: Slot) -> Response:
+                        slot: Slot, account: bool) -> Response:
         last, decision = None, None
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
@@ -221,15 +238,16 @@ class Ingress:
         if last is None or decision is None:
             return failed_request(None, self.cfg.router.request_timeout_s).response()
         if last.status != 200:
-            return _passthrough(last, decision)
+            return _passthrough(last, decision, account)
         # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
-        return Response(_add_key(last.data, _ext(last, decision, arrived, last.stamps)),
-                        media_type="application/json",
-                        headers={"x-rayattn-replica": decision.replica})
+        body = _add_key(last.data, _ext(last, decision, arrived, last.stamps)) if account \
+            else last.data
+        return Response(body, media_type="application/json",
+                        headers=_replica_header(decision, account))
 
     async def _sse(self, head: Reply, decision: Decision,
                    items: AsyncIterator[tuple[Reply, Decision]], arrived: Arrival,
-                   deadline: float) -> AsyncIterator[str]:
+                   deadline: float, account: bool) -> AsyncIterator[str]:
         """vLLM's SSE events as the engine produced them; the router's own account of the
         request (`rayattn`) rides on the last event before [DONE]."""
         item = head
@@ -237,7 +255,8 @@ class Ingress:
             async with asyncio.timeout_at(deadline):
                 while True:
                     if item.final:
-                        yield _with_ext(item.data, _ext(item, decision, arrived, head.stamps))
+                        yield (_with_ext(item.data, _ext(item, decision, arrived, head.stamps))
+                               if account else item.data)
                         return
                     if item.data:
                         yield item.data
@@ -312,13 +331,20 @@ class Ingress:
         return APIError(503, f"not ready: 0 of {n} engine replicas serve yet (engines load "
                              "the model at start-up; retry shortly)", retry_after=5)
 
-    async def health(self) -> Response:
+    async def health(self, request: Request) -> Response:
         await self._start()
         snap = self.dispatcher.snapshot()
         live = snap.replicas_up
-        body = {"status": "ok" if live else "unavailable", "replicas_up": live,
-                "reason": None if live else self._not_ready().message,
-                "replicas": snap.replicas, "joined": snap.joined, "policy": snap.policy,
+        body: dict[str, Any] = {"status": "ok" if live else "unavailable",
+                                "reason": None if live else self._not_ready().message,
+                                "up": len(live), "of": len(snap.engines)}
+        if not self._is_admin(request):
+            # Probes need only the status; pids, GPU ids, replica names and live load are
+            # for operators.
+            return JSONResponse(body, status_code=200 if live else 503,
+                                headers=None if live else {"Retry-After": "5"})
+        body |= {"replicas_up": live, "replicas": snap.replicas, "joined": snap.joined,
+                 "policy": snap.policy,
                 "router_pid": os.getpid(), "limits": {"max_inflight": snap.max_inflight},
                 "index": snap.index_mode, "counts": snap.counts,
                 "regret_tokens": snap.regret_tokens, "session_moves": snap.session_moves,
@@ -415,10 +441,14 @@ def _add_key(obj_json: str, ext: dict[str, Any]) -> str:
     return f'{head}{"" if head.endswith("{") else ","}"rayattn":{json.dumps(ext)}}}'
 
 
-def _passthrough(reply: Reply, d: Decision) -> Response:
+def _passthrough(reply: Reply, d: Decision, account: bool) -> Response:
     """vLLM's own error answer (JSON, as the engine always sends), with its status code."""
     return Response(reply.data, status_code=reply.status, media_type="application/json",
-                    headers={"x-rayattn-replica": d.replica})
+                    headers=_replica_header(d, account))
+
+
+def _replica_header(d: Decision, account: bool) -> dict[str, str] | None:
+    return {"x-rayattn-replica": d.replica} if account else None
 
 
 class Arrival(NamedTuple):

@@ -58,6 +58,29 @@ def test_api_keys_401_without_and_200_with(keyed):
     assert r.status_code == 401 and "admin" in r.json()["error"]["message"]
 
 
+def test_tenants_see_neither_the_routers_account_nor_healths_details(keyed, server):
+    """Where another tenant's prompt is cached (predicted hits, route reason, replicas'
+    load) is an oracle on that prompt: only callers that could open the admin API see it.
+    With API keys and no admin key configured, that is nobody."""
+    key = {"Authorization": "Bearer key-one"}
+    r = httpx.post(f"{keyed}/v1/chat/completions", json=CHAT, headers=key, timeout=60)
+    assert r.status_code == 200 and "rayattn" not in r.json(), r.text
+    assert "x-rayattn-replica" not in r.headers
+    with httpx.stream("POST", f"{keyed}/v1/chat/completions", headers=key, timeout=60,
+                      json={**CHAT, "stream": True}) as s:
+        events = [ln for ln in s.iter_lines() if ln.startswith("data: {")]
+        assert "x-rayattn-replica" not in s.headers
+    assert events and not any('"rayattn"' in e for e in events)
+    for headers in ({}, key):
+        h = httpx.get(f"{keyed}/health", headers=headers, timeout=60)
+        assert h.status_code == 200 and set(h.json()) == {"status", "reason", "up", "of"}
+        assert h.json()["up"] == h.json()["of"] > 0
+    # Without any key configured (a local deployment) every caller is the operator.
+    r = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60)
+    assert r.json()["rayattn"]["replica"] == r.headers["x-rayattn-replica"]
+    assert "engines" in httpx.get(f"{server}/health", timeout=60).json()
+
+
 def test_request_id_is_echoed_and_is_the_completion_id(server):
     r = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60,
                    headers={"x-request-id": "trace-abc-123"})

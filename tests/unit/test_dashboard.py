@@ -35,5 +35,11 @@ def test_host_tier_panels_read_metrics_vllm_defines():
     assert {"ray_vllm_kv_offload_load_bytes_total", "ray_vllm_kv_offload_store_bytes_total",
             "ray_vllm_external_prefix_cache_hits_total"} <= vllm_read
     assert vllm_read <= counters, vllm_read - counters
-    # the router's side of the same panel
-    assert "ray_rayattn_router_predicted_reload_tokens_total" in read
+    # the router's side of the same panel: series rayattn declares
+    from rayattn.metrics import router_metrics
+
+    declared = {"ray_" + n for n in
+                re.findall(r'"(rayattn_[a-z_]+)"', inspect.getsource(router_metrics))}
+    ours = {n for n in read if n.startswith("ray_rayattn_")}
+    assert "ray_rayattn_router_predicted_reload_tokens_total" in ours
+    assert ours <= declared, ours - declared

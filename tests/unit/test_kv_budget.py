@@ -134,3 +134,32 @@ def test_core_lifecycle_keeps_the_budget():
     assert core.kv_room(other, ["e0"]) == ["e0"]  # s1 went quiet
     core.reset()  # a cold start forgets conversations, keeps what is running
     assert core.kv.capacity == {"e0": 8000} and core.kv.running["e0"] == b.kv_held
+
+
+def test_an_engine_that_leaves_and_rejoins_keeps_its_running_count_exact():
+    kv = KVBudget(idle_s=5.0, fill=1.0)
+    kv.joined("e0", 10_000)
+    h = kv.dispatched("e0", "a", 3000, 64)
+    s = kv.dispatched("e0", None, 500, 32)  # no session: its prompt runs too
+    assert kv.running["e0"] == 64 + 532
+    kv.left("e0")  # marked down while both run; they end afterwards
+    kv.ended("e0", "a", h)
+    kv.ended("e0", None, s)
+    kv.joined("e0", 10_000)
+    assert kv.running["e0"] == 0 and kv.reserved["e0"] == 0
+    # Nothing running: an engine takes a request however big (nothing waits forever),
+    # where one running request would hold it back.
+    assert kv.room(["e0"], "big", 50_000, 100) == ["e0"]
+    kv.dispatched("e0", "small", 100, 10)
+    assert kv.room(["e0"], "big", 50_000, 100) == []
+
+
+def test_a_live_conversation_with_room_at_home_may_still_be_moved_by_the_policy():
+    kv = KVBudget(idle_s=5.0, fill=1.0)
+    for r in ("e0", "e1"):
+        kv.joined(r, 10_000)
+    h = kv.dispatched("e0", "a", 3000, 64)
+    kv.finished("e0", "a", 3064)
+    kv.ended("e0", "a", h)
+    kv.dispatched("e1", "b", 1000, 64)
+    assert kv.room(["e0", "e1"], "a", 3500, 64) == ["e0", "e1"]

@@ -1,0 +1,50 @@
+"""Request-size limits (rayattn/server/limits.py) on parsed bodies."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayattn.config.schema import RequestLimits
+from rayattn.server.errors import APIError
+from rayattn.server.limits import check, check_session
+
+L = RequestLimits(max_n=4, max_stop=3, max_logit_bias=5, max_schema_bytes=200, max_prompts=2,
+                  max_session_id_bytes=8)
+
+
+@pytest.mark.parametrize("kind,body,field", [
+    ("chat", {"n": 5}, "n"),
+    ("completion", {"best_of": 9}, "best_of"),
+    ("chat", {"stop": ["a", "b", "c", "d"]}, "stop"),
+    ("chat", {"stop_token_ids": [1, 2, 3, 4]}, "stop_token_ids"),
+    ("chat", {"logit_bias": {str(i): 1 for i in range(6)}}, "logit_bias"),
+    ("chat", {"response_format": {"type": "json_schema", "json_schema": {
+        "schema": {"enum": ["x" * 50] * 5}}}}, "response_format"),
+    ("chat", {"structured_outputs": {"regex": "a" * 300}}, "structured_outputs"),
+    ("completion", {"prompt": ["a", "b", "c"]}, "prompt"),
+    ("completion", {"prompt": [[1, 2], [3], [4]]}, "prompt"),
+])
+def test_each_limit_names_its_field(kind, body, field):
+    with pytest.raises(APIError) as e:
+        check(kind, body, L)
+    assert e.value.status == 400 and e.value.param == field
+    assert "router.limits.max_" in e.value.message
+
+
+@pytest.mark.parametrize("kind,body", [
+    ("chat", {"n": 4, "stop": ["a", "b", "c"], "logit_bias": {"1": 1},
+              "response_format": {"type": "json_object"}}),
+    ("completion", {"prompt": [1, 2, 3, 4, 5, 6, 7]}),  # one prompt of token ids
+    ("completion", {"prompt": "a long prompt " * 100, "n": 2}),
+    ("chat", {"n": None, "stop": "one string"}),
+])
+def test_within_the_limits_nothing_is_refused(kind, body):
+    check(kind, body, L)
+
+
+def test_session_id_length():
+    check_session("x-session-id", "12345678", L)
+    check_session("x-session-id", None, L)
+    with pytest.raises(APIError) as e:
+        check_session("x-session-id", "123456789", L)
+    assert e.value.param == "x-session-id"
