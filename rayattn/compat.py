@@ -534,3 +534,20 @@ def config_objects(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
         kw["kv_transfer_config"] = KVTransferConfig(**kt)
     return kw
+
+
+@functools.lru_cache(maxsize=1024)
+def cache_salt_extra_keys(salt: str) -> tuple[Any, ...] | None:
+    """The extra keys vLLM hashes into a prompt's first block under `cache_salt`, from
+    vLLM's own function (their form changed across versions: the bare salt, then a
+    ("cache_salt", salt) pair)."""
+    from types import SimpleNamespace
+
+    from vllm.v1.core import kv_cache_utils
+
+    # Everything but the salt empty: no adapter, no images, no prompt embeddings.
+    stand_in = SimpleNamespace(lora_request=None, mm_features=[], mm_positions=[],
+                               mm_hashes=[], cache_salt=salt, prompt_embeds=None,
+                               _prompt_embeds_per_block_hashes={})
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(stand_in, 0, 1, 0)
+    return keys

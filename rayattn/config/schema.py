@@ -325,7 +325,17 @@ class RouterConfig(_Strict):
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2
-    """Times a request that failed before producing output is retried on another replica."""
+    """Times a request is retried on another replica when its replica failed before
+    producing output. Only failures that cannot be the request's doing are retried: the
+    replica was gone or its engine already dead when the call arrived, or the replica's
+    process died (node lost, killed). A request whose engine crashed while running it gets
+    503 and goes nowhere else: one poisonous prompt must not take down every engine in
+    turn."""
+    quarantine_after: int = Field(2, ge=0)
+    """Engine failures a prompt may be in flight at (any kind, retried or not) before this
+    router refuses it with 422 for `quarantine_s`; 0 never refuses."""
+    quarantine_s: float = Field(600.0, gt=0)
+    """How long a prompt stays refused once quarantined."""
     max_inflight: PositiveInt = 256
     """Admission limit of one ingress replica; beyond it requests get 429 + Retry-After."""
     request_timeout_s: float = Field(300, gt=0)
@@ -344,6 +354,16 @@ class RouterConfig(_Strict):
     admin_keys_env: str | None = None
     """Like `api_keys_env`, for the admin API (`admin_api`); an API key does not open it. With
     `api_keys_env` set and this unset, the admin API refuses every call."""
+    cache_isolation: Literal["auto", "shared", "per_key"] = "auto"
+    """Whose prompts may share the engines' prefix cache. A cached prefix is an oracle: its
+    answer comes faster and `usage.prompt_tokens_details.cached_tokens` counts it, so one
+    tenant can probe, block by block, what another sent. `per_key`: each API key gets its
+    own cache namespace (the router sets vLLM's `cache_salt` from the key, combined with a
+    client's own `cache_salt`), so a tenant's hits are only its own prompts and a shared
+    system prompt is cached once per key. `shared`: one namespace; a client's `cache_salt`
+    is honoured. `auto`: `per_key` when `api_keys_env` is set, else `shared`. Either way the
+    salt is hashed into the router's block keys as vLLM hashes it, so isolation costs no
+    affinity."""
     log_requests: bool = False
     """One INFO log line per request on the router (request id, replica, route reason, prompt
     and predicted cached tokens) and on the engine (request id, path, cached tokens, TTFT),

@@ -68,6 +68,12 @@ class Misrouted(RuntimeError):
     request again (server/pinning.py)."""
 
 
+class EngineDown(RuntimeError):
+    """Raised by an engine replica whose engine was already dead when a call arrived: the
+    request never ran there, so routing it to another replica is safe (unlike a request
+    that was running when its engine died, which may be what killed it)."""
+
+
 @dataclass
 class EngineInfo:
     """An engine replica's answer to the router's probe: who it is, what its KV cache is

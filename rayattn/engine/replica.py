@@ -20,7 +20,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import EngineInfo, Misrouted, OpenAIRequest, Reply
+from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted, OpenAIRequest, Reply
 
 log = logging.getLogger("rayattn.engine")
 
@@ -163,7 +163,10 @@ class EngineReplica:
         """Empty the prefix cache and the host KV tier behind it (benchmarks compare policies
         from the same cold start; a warm host tier would serve the last run's prompts)."""
         self._pinned(target)
-        done = bool(await self.engine.reset_prefix_cache(reset_connector=True))
+        # Only where there is a host tier: some vLLM versions answer False to a connector
+        # reset on an engine without a connector, which would read as a failed reset.
+        done = bool(await self.engine.reset_prefix_cache(
+            reset_connector=self.cfg.engine.kv_offload.enabled))
         if done and self.kv_mirror is not None:
             self.kv_mirror.reset()
         return done
@@ -195,6 +198,10 @@ class EngineReplica:
         """One OpenAI request through vLLM's serving layer, counted in this engine's
         in-flight requests per sending router while it runs."""
         self._pinned(target)
+        if self.engine.errored:
+            # Distinct from vLLM's EngineDeadError for requests it was running: the router
+            # retries this one elsewhere, and not those.
+            raise EngineDown(f"engine of {self.replica_id} is dead")
         layer = await self._openai()
         self._inflight_by_origin[req.origin] += 1
         self._inflight_seq += 1

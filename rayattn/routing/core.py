@@ -186,13 +186,17 @@ class RoutingCore:
 
     # --- one request --------------------------------------------------------------------
     def request(self, token_ids: list[int], session: str | None = None,
-                text: str = "") -> RouteRequest:
+                text: str = "", salt: str | None = None) -> RouteRequest:
         """The routing view of a prompt: its block keys. A conversation's new turn extends
         its previous prompt (and answer): only the blocks after what it shares with them
-        are hashed."""
+        are hashed. `salt` is the request's cache namespace (vLLM's `cache_salt`): it is in
+        every block key, and conversations are named within it (one tenant's session id
+        never meets another's)."""
         session = session or None  # an empty header names no conversation
+        if session and salt:
+            session = f"{salt}\0{session}"
         known = self._known_hashes(token_ids, session) if session else []
-        hashes = self.hasher.full_hashes(token_ids, known)
+        hashes = self.hasher.full_hashes(token_ids, known, salt)
         self.hashed_blocks += len(hashes) - len(known)
         if session:
             self._remember(session, token_ids, hashes)

@@ -7,8 +7,10 @@ chose (server/pinning.py). See docs/routing.md.
 
 Failure semantics: an error the engine raises about the request itself (vLLM's
 validation: ValueError / TypeError) is the client's: one 400 with vLLM's message, never
-retried. A replica failure (dead actor, dead engine) before any output reached the client is
-retried on another replica, up to `router.max_retries` times, here and nowhere else.
+retried. A replica failure before any output reached the client is retried on another
+replica, up to `router.max_retries` times, here and nowhere else, unless the engine crashed
+while running the request (it may be what crashed it): that one is answered 503 and counted
+in the quarantine (routing/quarantine.py), which refuses a prompt engines kept failing on.
 """
 
 from __future__ import annotations
@@ -29,12 +31,13 @@ from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
 from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
+from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.server.background import detached
 from rayattn.server.errors import APIError, EngineFailure, engine_raised
 from rayattn.server.kv_feeds import KVFeeds
 from rayattn.server.loop_watch import LoopWatch
 from rayattn.server.pinning import PinnedHandle
-from rayattn.server.replica_set import Replica, ReplicaSet, engine_dead
+from rayattn.server.replica_set import Replica, ReplicaSet, failure
 
 log = logging.getLogger("rayattn.router")
 
@@ -137,7 +140,9 @@ class Dispatcher:
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.admission = Admission(cfg.router.max_inflight)
         self.counts: dict[str, float] = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0,
+                                         "engine_crashes": 0, "quarantined": 0,
                                          "kv_held": 0, "kv_held_s": 0.0}
+        self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
         self._metrics_task: asyncio.Task | None = None
         self.stalls = LoopWatch()
 
@@ -194,6 +199,7 @@ class Dispatcher:
 
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.admission.limit = rc.max_inflight
+        self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
         if self.core.reconfigure(rc.model_dump()):
             self._refeed()
         if self.metrics is not None:
@@ -266,6 +272,15 @@ class Dispatcher:
         point when `buffered` (chunks are held until the attempt completes, as a
         non-streaming response needs anyway). Otherwise EngineFailure propagates."""
         tried: set[str] = set()
+        prompt = fingerprint(route, self.core.block_size)
+        if held_s := self.quarantine.refused_for(prompt):
+            self.counts["quarantined"] += 1
+            self._reject(422)
+            raise APIError(422, "this prompt was being served each time engines failed "
+                                f"({self.cfg.router.quarantine_after} times); refused for "
+                                f"{held_s:.0f} s more (router.quarantine_after)",
+                           param="messages" if req.kind == "chat" else "prompt",
+                           code="request_quarantined")
         self.counts["sent"] += 1
         t0 = time.monotonic()
         wait_until = t0 + NO_REPLICA_GRACE_S  # one grace per request, retries included
@@ -297,7 +312,8 @@ class Dispatcher:
                                 yield chunk, d
                 except EngineCallError as err:
                     e = err.cause
-                    if not engine_dead(e):
+                    kind = failure(e)
+                    if kind == "request":
                         answer = engine_raised(e)
                         if answer.status >= 500:
                             log.error("engine error (not retried): %s: %s", type(e).__name__,
@@ -306,9 +322,16 @@ class Dispatcher:
                     self.fleet.dead(d.replica, e)
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
-                    if delivered or attempt == self.cfg.router.max_retries:
+                    if kind != "never_ran":
+                        self.quarantine.failed(prompt)
+                    if kind == "engine_crashed":
+                        self.counts["engine_crashes"] += 1
+                    if (delivered or attempt == self.cfg.router.max_retries
+                            or kind == "engine_crashed"
+                            or self.quarantine.refused_for(prompt)):
                         self.record_failure(e)
-                        raise EngineFailure(d.replica, e, delivered) from e
+                        raise EngineFailure(d.replica, e, delivered,
+                                            retryable=kind != "engine_crashed") from e
                     self.counts["retried"] += 1
                     if self.metrics is not None:
                         self.metrics.retries.inc(1, self.metrics.base)

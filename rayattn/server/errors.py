@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          413: "invalid_request_error",
+          413: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
 
 
@@ -64,9 +64,13 @@ class EngineFailure(Exception):
     """A replica failed (its actor or engine died) while serving a request, and no retry
     was left or output had already reached the client."""
 
-    def __init__(self, replica: str, cause: BaseException, started: bool) -> None:
-        super().__init__(f"engine {replica} failed: {type(cause).__name__}: {cause}")
+    def __init__(self, replica: str, cause: BaseException, started: bool,
+                 retryable: bool = True) -> None:
+        # Only the cause's type: Ray's messages name actor ids, addresses and pids, which
+        # are the operator's (the router logs them), not the client's.
+        super().__init__(f"{type(cause).__name__}")
         self.replica, self.cause, self.started = replica, cause, started
+        self.retryable = retryable
 
 
 def failed_request(e: BaseException | None, timeout_s: float) -> APIError:
@@ -79,6 +83,10 @@ def failed_request(e: BaseException | None, timeout_s: float) -> APIError:
     if isinstance(e, EngineFailure):
         # After output has reached the client the answer is an error event in its stream.
         where = " mid-stream" if e.started else ""
+        if not e.retryable:
+            return APIError(503, f"the engine crashed while running this request{where} "
+                                 f"({e}); it was not sent to another engine, since it may "
+                                 "be what crashed it", code="engine_crashed")
         return APIError(503, f"engine failure{where}: {e}", retry_after=2)
     if isinstance(e, TimeoutError):
         return APIError(504, f"request exceeded {timeout_s}s")

@@ -33,6 +33,7 @@ from rayattn.server.errors import (
     from_validation,
 )
 from rayattn.server.rendering import PromptRenderer, Rendered
+from rayattn.server.tenancy import Keys, cache_salt
 
 log = logging.getLogger("rayattn.ingress")
 REQUEST_ID_HEADER = "x-request-id"
@@ -66,8 +67,8 @@ class Ingress:
         self.dispatcher.apply_router_config(new)
         log.info("router settings applied: %s", new.model_dump())
 
-    def _authorize(self, request: Request, admin: bool = False) -> None:
-        self.keys.check(request.headers.get("authorization"), admin)
+    def _authorize(self, request: Request, admin: bool = False) -> str | None:
+        return self.keys.check(request.headers.get("authorization"), admin)
 
     def _is_admin(self, request: Request) -> bool:
         """Whether the caller could open the admin API (every caller where no keys are
@@ -111,8 +112,10 @@ class Ingress:
             raise APIError(503, "the router cannot render prompts yet: "
                                 f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
 
-    async def _body(self, request: Request, kind: str) -> tuple[dict[str, Any], Any]:
-        """The JSON body and vLLM's request model of it (vLLM's own validation)."""
+    async def _body(self, request: Request, kind: str,
+                    key: str | None) -> tuple[dict[str, Any], Any]:
+        """The JSON body, in the caller's cache namespace, and vLLM's request model of it
+        (vLLM's own validation)."""
         raw = await request.body()
         if len(raw) > self.cfg.router.max_body_bytes:
             raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
@@ -124,6 +127,10 @@ class Ingress:
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
         limits.check(kind, data, self.cfg.router.limits)
+        salt = cache_salt(self.cfg.router.cache_isolation, key, data.get("cache_salt"),
+                          self.keys.api is not None)
+        if salt is not None:
+            data["cache_salt"] = salt
         model = data.get("model")
         if model is not None and model != self.model_name:
             # vLLM's own answer, given here before the prompt is rendered and routed.
@@ -163,12 +170,12 @@ class Ingress:
         except APIError as e:
             return e.response()
         try:
-            self._authorize(request)
+            key = self._authorize(request)
             limits.check_session(self.cfg.router.session_header,
                                  request.headers.get(self.cfg.router.session_header),
                                  self.cfg.router.limits)
             await self._start()
-            data, body = await self._body(request, kind)
+            data, body = await self._body(request, kind, key)
             slot = self.dispatcher.admit()
         except APIError as e:
             return e.response()
@@ -193,7 +200,8 @@ class Ingress:
                              log=self.cfg.router.log_requests,
                              engine_inputs=prompt.engine_inputs)
         route = self.dispatcher.core.request(
-            prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text)
+            prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text,
+            salt=body.cache_salt)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
         account = self._is_admin(request)
@@ -382,39 +390,6 @@ def request_id(request: Request) -> str:
         raise APIError(400, f"{REQUEST_ID_HEADER}: 1 to 128 printable characters",
                        param=REQUEST_ID_HEADER)
     return given
-
-
-class Keys:
-    """API keys from environment variables of the router process (a Kubernetes Secret in
-    the rendered manifests), never from the Serve config. No variable named: no auth."""
-
-    def __init__(self, api: list[str] | None, admin: list[str]) -> None:
-        self.api, self.admin = api, admin
-
-    @classmethod
-    def from_env(cls, rc: Any) -> Keys:
-        def read(var: str | None, field: str) -> list[str]:
-            if var is None:
-                return []
-            keys = [k.strip() for k in os.environ.get(var, "").split(",") if k.strip()]
-            if not keys:
-                raise ValueError(f"router.{field}: environment variable {var} holds no key on "
-                                 "the router (refusing to serve without the keys it names)")
-            return keys
-        api = read(rc.api_keys_env, "api_keys_env") if rc.api_keys_env else None
-        return cls(api, read(rc.admin_keys_env, "admin_keys_env"))
-
-    def check(self, authorization: str | None, admin: bool) -> None:
-        import hmac
-
-        wanted = self.admin if admin else self.api
-        if wanted is None or (admin and self.api is None and not self.admin):
-            return  # no auth configured
-        scheme, _, token = (authorization or "").strip().partition(" ")
-        given = token.strip().encode() if scheme.lower() == "bearer" else b""
-        if not given or not any(hmac.compare_digest(given, k.encode()) for k in wanted):
-            raise APIError(401, "missing or invalid API key (Authorization: Bearer <key>)"
-                           + (" for the admin API" if admin else ""), code="invalid_api_key")
 
 
 def _event(payload: dict) -> str:

@@ -21,11 +21,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ray import exceptions as ray_exc
 
-from rayattn.engine.protocol import EngineInfo, Misrouted
+from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted
 from rayattn.server.background import detached
 from rayattn.server.pinning import Membership, PinnedHandle
 
@@ -39,27 +39,43 @@ REPLICA_DEAD: tuple[type[BaseException], ...] = (
     ray_exc.RayActorError, ray_exc.ActorDiedError, ray_exc.ActorUnavailableError)
 
 
-def engine_dead(e: BaseException) -> bool:
-    """True when `e` says the engine replica is gone (not that one request was bad)."""
+Failure = Literal["request", "never_ran", "replica_died", "engine_crashed"]
+"""How a call to an engine replica failed:
+- `request`: an error about the request itself (not a death);
+- `never_ran`: the replica had left or its engine was already dead when the call arrived;
+- `replica_died`: the replica's process (or the connection to it) went away: a node lost,
+  a process killed, which a request can hardly cause;
+- `engine_crashed`: vLLM's engine died while running the request, which the request may
+  have caused (a query of death)."""
+
+
+def failure(e: BaseException) -> Failure:
+    cause = getattr(e, "cause", None)
+    # Raised by a replica for a call meant for one that has just left, or by one whose
+    # engine was dead before the call: route it again.
+    if isinstance(e, (Misrouted, EngineDown)) or isinstance(cause, (Misrouted, EngineDown)):
+        return "never_ran"
     if isinstance(e, REPLICA_DEAD):
-        return True
-    # Raised by a replica for a call meant for one that has just left: route it again.
-    if isinstance(e, Misrouted) or isinstance(getattr(e, "cause", None), Misrouted):
-        return True
+        return "replica_died"
     # gRPC transport: Serve maps UNAVAILABLE (and a peer's CANCELLED before the handler ran)
     # to ActorUnavailableError; a replica that goes away mid-stream can still surface as the
     # raw RPC error with these codes. Errors about the request itself arrive as the engine's
     # own exception; other RPC codes (e.g. a message over the size limit) are not deaths.
     import grpc
 
-    if isinstance(e, grpc.aio.AioRpcError):
-        return e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-                            grpc.StatusCode.INTERNAL)
+    if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
+            grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
+        return "replica_died"
     try:
         from vllm.v1.engine.exceptions import EngineDeadError
     except Exception:  # pragma: no cover - vLLM layout differs
-        return False
-    return isinstance(e, EngineDeadError)
+        return "request"
+    return "engine_crashed" if isinstance(e, EngineDeadError) else "request"
+
+
+def engine_dead(e: BaseException) -> bool:
+    """True when `e` says the engine replica is gone (not that one request was bad)."""
+    return failure(e) != "request"
 
 
 @dataclass

@@ -101,3 +101,36 @@ def test_request_id_is_echoed_and_is_the_completion_id(server):
     bad = httpx.post(f"{server}/v1/chat/completions", json=CHAT, timeout=60,
                      headers={"x-request-id": "x" * 129})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-request-id"
+
+
+def test_one_tenant_cannot_learn_from_the_cache_what_another_sent(keyed):
+    """With API keys, each key's prompts are cached in their own namespace (vLLM's
+    cache_salt, derived per key and hashed into the router's keys): tenant B sending
+    tenant A's exact conversation gets no cached token, while A's own later turns are
+    served from cache as before. Before the fix B saw A's prefix as cached."""
+    a, b = ({"Authorization": f"Bearer {k}"} for k in ("key-one", "key-two"))
+    doc = " ".join(f"Clause {i}: the tenant's private term number {i * 7919 % 1000}."
+                   for i in range(40))
+    messages = [{"role": "user", "content": f"{doc}\nSummarise clause 3."}]
+
+    def chat(headers: dict, msgs: list, session: str) -> dict:
+        r = httpx.post(f"{keyed}/v1/chat/completions", timeout=120, headers={
+            **headers, "x-session-id": session}, json={**CHAT, "max_tokens": 8,
+                                                        "messages": msgs})
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def cached(out: dict) -> int:
+        return (out["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+
+    first = chat(a, messages, "conv")
+    for turn in range(2):
+        prev_tokens = first["usage"]["prompt_tokens"]
+        messages += [first["choices"][0]["message"], {"role": "user",
+                                                      "content": f"And clause {turn + 5}?"}]
+        probe = chat(b, messages, "conv")  # B replays A's conversation, same session id
+        assert cached(probe) == 0, probe["usage"]
+        assert "rayattn" not in probe
+        first = chat(a, messages, "conv")
+        # A's earlier prompt is a prefix of this one: its full blocks come from cache.
+        assert cached(first) >= prev_tokens // 32 * 32 > 0, (first["usage"], prev_tokens)

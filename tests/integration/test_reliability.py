@@ -218,3 +218,74 @@ def test_streaming_request_on_dying_replica_ends_with_error_event(server):
     deadline = time.time() + 240
     while time.time() < deadline and len(health(server)["replicas_up"]) < 2:
         time.sleep(2)
+
+
+def _engine_core_pid(engine_pids: list[int]) -> int:
+    """vLLM's engine core among a replica's engine processes (where a kernel fault on a
+    poisonous request would end it)."""
+    import psutil
+
+    for p in engine_pids:
+        try:
+            if "EngineCore" in " ".join(psutil.Process(p).cmdline()) + psutil.Process(p).name():
+                return p
+        except psutil.Error:
+            continue
+    raise AssertionError(f"no EngineCore among {engine_pids}")
+
+
+def test_a_request_that_crashes_its_engine_reaches_no_second_engine(server):
+    """A query of death: the engine core dies while running one request. The request is
+    answered 503 and sent nowhere else (before the fix it was retried on the next engine,
+    which a poisonous prompt would crash too); once engines failed under it
+    `quarantine_after` times, the same prompt is refused with 422 while others are served."""
+    r = httpx.post(f"{server}/admin/reset", timeout=60,
+                   json={"settings": {"quarantine_after": 1}})
+    assert r.status_code == 200, r.text
+    poison = {"model": MODEL, "prompt": "Poison: tell a very long story.", "max_tokens": 1500,
+              "ignore_eos": True, "temperature": 0}
+    counts0 = health(server)["counts"]
+    box: dict = {}
+
+    async def go():
+        async with httpx.AsyncClient(timeout=180) as c:
+            task = asyncio.create_task(c.post(f"{server}/v1/completions", json=poison))
+            deadline = time.time() + 60
+            while time.time() < deadline:
+                engines = health(server)["engines"]
+                busy = [n for n, e in engines.items() if e["inflight"]]
+                if busy:
+                    box["victim"] = busy[0]
+                    os.kill(_engine_core_pid(engines[busy[0]]["engine_pids"]), signal.SIGKILL)
+                    break
+                await asyncio.sleep(0.2)
+            box["response"] = await task
+
+    asyncio.run(go())
+    r = box["response"]
+    assert "victim" in box
+    assert r.status_code == 503, r.text
+    assert r.json()["error"]["code"] == "engine_crashed", r.text
+    counts = {k: health(server)["counts"][k] - counts0[k] for k in counts0}
+    # Sent once, never retried, counted as an engine crash.
+    assert counts["sent"] == 1 and counts["retried"] == 0, counts
+    assert counts["engine_crashes"] == 1, counts
+    # Quarantined: refused before any engine, while other prompts are served.
+    again = httpx.post(f"{server}/v1/completions", json=poison, timeout=60)
+    assert again.status_code == 422, again.text
+    assert again.json()["error"]["code"] == "request_quarantined"
+    other = httpx.post(f"{server}/v1/completions", timeout=120, json={
+        **poison, "prompt": "Tell a short story.", "max_tokens": 4})
+    assert other.status_code == 200, other.text
+    assert health(server)["counts"]["sent"] - counts0["sent"] == 2
+    r = httpx.post(f"{server}/admin/reset", timeout=60,
+                   json={"settings": {"quarantine_after": 2}})
+    assert r.status_code == 200, r.text
+    # Serve replaces the replica whose engine died; leave the deployment whole.
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        h = health(server)
+        if len(h["replicas_up"]) == 2 and box["victim"] not in h["replicas_up"]:
+            break
+        time.sleep(2)
+    assert box["victim"] not in h["replicas_up"] and len(h["replicas_up"]) == 2, h

@@ -6,7 +6,7 @@ import pytest
 
 from rayattn.config.schema import RouterConfig
 from rayattn.server.errors import APIError
-from rayattn.server.ingress import Keys
+from rayattn.server.tenancy import Keys
 
 
 def _keys(monkeypatch, **env: str) -> Keys:
@@ -49,3 +49,19 @@ def test_named_but_empty_variable_fails_closed(monkeypatch):
     monkeypatch.delenv("K_API")
     with pytest.raises(ValueError, match="K_API"):
         Keys.from_env(RouterConfig(api_keys_env="K_API"))
+
+
+def test_cache_namespaces_per_key_hide_the_key_and_keep_a_clients_salt():
+    from rayattn.server.tenancy import cache_salt
+
+    a, b = (cache_salt("auto", k, None, keys_configured=True) for k in ("key-a", "key-b"))
+    assert a != b and "key-a" not in a
+    assert cache_salt("auto", "key-a", None, True) == a  # stable: every router agrees
+    # A client's own salt narrows its namespace further, within its key's.
+    assert cache_salt("per_key", "key-a", "mine", True) == f"{a}:mine"
+    # Shared: the client's salt as given, none made up; no keys configured: nothing to key.
+    assert cache_salt("shared", "key-a", "mine", True) == "mine"
+    assert cache_salt("shared", "key-a", None, True) is None
+    assert cache_salt("auto", None, None, keys_configured=False) is None
+    # Not a string: left for vLLM's validation to refuse.
+    assert cache_salt("shared", None, 5, False) == 5

@@ -47,3 +47,27 @@ def test_chaining_makes_keys_prefix_dependent():
     assert a[1] != b[1]  # same second block, different prefix
     assert h.keys([1, 2, 3, 4, 5, 6, 7, 8, 9]) == a  # partial trailing block not hashed
     assert BlockHasher(4, seed="1").keys([1, 2, 3, 4]) != h.keys([1, 2, 3, 4])
+
+
+@pytest.mark.parametrize("salt", ["tenant-a", "tenant-b:client-salt"])
+def test_a_cache_salt_keys_every_block_as_vllm_does(salt, monkeypatch):
+    """Salted requests (per-tenant isolation) keep exact affinity: the router's keys are
+    vLLM's hashes of the salted request, and differ from the unsalted prompt's in every
+    block (chaining carries the first block's salt)."""
+    from vllm import SamplingParams
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    bs = 16
+    tokens = [random.Random(7).randrange(50_000) for _ in range(bs * 4 + 1)]
+    hash_fn = get_hash_fn_by_name("sha256")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    init_none_hash(hash_fn)
+    req = Request(request_id="r", prompt_token_ids=tokens,
+                  sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                  cache_salt=salt, block_hasher=get_request_block_hasher(bs, hash_fn))
+    ours = BlockHasher(bs, "sha256", seed="0")
+    assert ours.full_hashes(tokens, salt=salt) == list(req.block_hashes)
+    plain = ours.keys(tokens)
+    assert all(a != b for a, b in zip(ours.keys(tokens, salt=salt), plain, strict=True))
