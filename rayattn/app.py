@@ -15,6 +15,7 @@ from ray.serve.config import RequestRouterConfig
 
 from rayattn.config.loader import ENGINE_DEPLOYMENT, parse_args
 from rayattn.config.plan import Plan, build_plan
+from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.replica import EngineReplica
 from rayattn.server.api import Router
 from rayattn.server.pinning import REQUEST_ROUTER
@@ -43,6 +44,10 @@ ROUTER_SERVE_CAP = 100_000
 # health checks.
 ROUTER_SERVE_ENV = {"RAY_SERVE_RUN_USER_CODE_IN_SEPARATE_THREAD": "0",
                     "RAY_SERVE_RUN_ROUTER_IN_SEPARATE_LOOP": "0"}
+
+
+ROUTER_UNIT = 0.001
+"""Of serve.router_node_resource, per router replica: a node declaring 1 takes up to 1000."""
 
 
 def engine_options(plan: Plan) -> dict[str, Any]:
@@ -84,17 +89,13 @@ def engine_options(plan: Plan) -> dict[str, Any]:
     )
 
 
-def build_app(args: dict[str, Any]) -> Application:
-    cfg = parse_args(args)
-    plan = build_plan(cfg, prepare_model=True)
-    # Router settings travel as the router's Serve user_config (applied live through
-    # reconfigure) and are not part of anyone's init args: changing them restarts nothing,
-    # and engines never see them.
-    shared = {k: v for k, v in args.items() if k != "router"}
-    engines = Engine.options(**engine_options(plan)).bind(shared)
-    router_opts: dict[str, Any] = dict(
+def router_options(cfg: RayAttnConfig) -> dict[str, Any]:
+    """The router deployment's Serve options."""
+    opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
+                           **({"resources": {cfg.serve.router_node_resource: ROUTER_UNIT}}
+                              if cfg.serve.router_node_resource else {}),
                            "runtime_env": {"env_vars": {
                                "PYTHONHASHSEED": cfg.engine.hash_seed,
                                **(ROUTER_SERVE_ENV if cfg.serve.router_loop == "main"
@@ -108,10 +109,21 @@ def build_app(args: dict[str, Any]) -> Application:
         user_config=cfg.router.model_dump(mode="json"),
     )
     if cfg.serve.ingress_autoscaling:
-        router_opts["autoscaling_config"] = cfg.serve.ingress_autoscaling
+        opts["autoscaling_config"] = cfg.serve.ingress_autoscaling
     else:
-        router_opts["num_replicas"] = cfg.serve.ingress_replicas
-    return Router.options(**router_opts).bind(shared, engines)
+        opts["num_replicas"] = cfg.serve.ingress_replicas
+    return opts
+
+
+def build_app(args: dict[str, Any]) -> Application:
+    cfg = parse_args(args)
+    plan = build_plan(cfg, prepare_model=True)
+    # Router settings travel as the router's Serve user_config (applied live through
+    # reconfigure) and are not part of anyone's init args: changing them restarts nothing,
+    # and engines never see them.
+    shared = {k: v for k, v in args.items() if k != "router"}
+    engines = Engine.options(**engine_options(plan)).bind(shared)
+    return Router.options(**router_options(cfg)).bind(shared, engines)
 
 
 def deploy_config(serve_config: dict[str, Any]) -> None:

@@ -431,6 +431,11 @@ class ServeSettings(_Strict):
     (no thread hand-off per request and per streamed chunk; the fastest hop while the
     router is not saturated). `separate`: Ray Serve's default, a second loop in its own
     thread, so Serve's control calls are answered even while the router's loop is busy."""
+    router_node_resource: str | None = None
+    """A custom Ray resource the router replicas need, so they run only on nodes that
+    declare it. The manifests of `rayattn render-k8s` declare it on the head alone, the only
+    pod given the API keys: engine pods, which run model code (`trust_remote_code`), never
+    hold them."""
     engine_autoscaling: EngineAutoscaling | None = None
     """Autoscale the engine replicas instead of running parallelism.data_parallel_size of
     them. Also read from the Serve config's `engine` deployment `autoscaling_config`, where

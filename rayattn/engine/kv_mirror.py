@@ -1,35 +1,75 @@
-"""The engine replica's own copy of which blocks its engine caches, from vLLM's KV events.
+"""The engine replica's own copy of which blocks its engine caches, from vLLM's KV events,
+and the one door through which routers follow them.
 
-Routers follow each engine's event stream live; this mirror is what they resynchronise from
-(on start, after a lost batch): `snapshot()` is the set of cached block keys together with
-the sequence number it reflects. The mirror subscribes before the engine starts, so it sees
-every batch from the first; should it ever miss one (ZMQ high-water mark), it fetches the
-missing batches from vLLM's replay socket.
+vLLM publishes its events (token ids included: every tenant's prompts) on IPC sockets in a
+directory only this replica's user can open; nothing of vLLM's listens on the network. The
+mirror applies each batch and relays it on a CurveZMQ socket: encrypted, and readable only
+by the routers that registered their public key through `admit` (a call over Ray, which the
+routers already use for every request). Routers follow that stream live and
+resynchronise from `snapshot()` (on start, after a lost batch): the set of cached block keys
+together with the sequence number it reflects. The mirror subscribes before the engine
+starts, so it sees every batch from the first; should it ever miss one (ZMQ high-water
+mark), it fetches the missing batches from vLLM's replay socket.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
-from collections import Counter
-from typing import Any
+from collections import Counter, OrderedDict
+from typing import Any, NamedTuple
 
 from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
 
 
-def subscriber(ctx: Any, endpoint: str) -> Any:
-    """A ZMQ SUB socket on an engine's KV event stream: everything, unbounded queue (a
-    dropped batch would only force a resync), no linger on close."""
+HWM = 10_000
+"""Event batches a socket queues at most. A reader that falls further behind loses batches
+and resyncs (a gap in the sequence numbers), instead of growing without bound."""
+
+MAX_SUBSCRIBERS = 256
+"""Router keys an engine admits at most (the oldest go first): routers come and go."""
+
+
+class CurveKeys(NamedTuple):
+    """A CurveZMQ key pair, Z85-encoded."""
+
+    public: bytes
+    secret: bytes
+
+    @classmethod
+    def new(cls) -> CurveKeys:
+        import zmq
+
+        return cls(*zmq.curve_keypair())
+
+
+def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
+               keys: CurveKeys | None = None) -> Any:
+    """A ZMQ SUB socket on a KV event stream: everything, a bounded queue (a dropped batch
+    only forces a resync), no linger on close; CurveZMQ with `server_key` (the publisher's
+    public key) and this subscriber's `keys`."""
     import zmq
 
     sock = ctx.socket(zmq.SUB)
     sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.setsockopt(zmq.RCVHWM, HWM)
     sock.setsockopt(zmq.LINGER, 0)
+    if server_key is not None and keys is not None:
+        sock.curve_serverkey = server_key
+        sock.curve_publickey, sock.curve_secretkey = keys
     sock.connect(endpoint)
     return sock
+
+
+def private_ipc_endpoints() -> tuple[str, str, str]:
+    """(directory, publisher, replay) for vLLM's event sockets: IPC files in a fresh
+    directory that only this process's user may enter (mkdtemp makes it 0700)."""
+    d = tempfile.mkdtemp(prefix="rayattn-kv-")
+    return d, f"ipc://{d}/pub", f"ipc://{d}/replay"
 
 
 def node_ip() -> str:
@@ -42,8 +82,30 @@ def node_ip() -> str:
 
 
 class KVMirror:
-    def __init__(self, pub_port: int, replay_port: int) -> None:
-        self.pub_port, self.replay_port = pub_port, replay_port
+    def __init__(self, vllm_pub: str, vllm_replay: str, relay_host: str = "127.0.0.1",
+                 ipc_dir: str | None = None) -> None:
+        import zmq
+        from zmq.auth.thread import ThreadAuthenticator
+
+        self.vllm_pub, self.vllm_replay, self._ipc_dir = vllm_pub, vllm_replay, ipc_dir
+        # Its own context: one ZAP handler per context, and a process may hold two mirrors
+        # (tests).
+        self._ctx = ctx = zmq.Context()
+        self._admitted: OrderedDict[bytes, None] = OrderedDict()
+        # ZAP: the relay's handshakes are checked against the admitted router keys.
+        self._auth = ThreadAuthenticator(ctx)
+        self._auth.start()
+        self._auth.configure_curve_callback("*", credentials_provider=self)
+        keys = CurveKeys.new()
+        self.server_key = keys.public
+        self._relay = ctx.socket(zmq.PUB)
+        self._relay.curve_server = True
+        self._relay.curve_publickey, self._relay.curve_secretkey = keys
+        self._relay.setsockopt(zmq.SNDHWM, HWM)
+        self._relay.setsockopt(zmq.LINGER, 0)
+        port = self._relay.bind_to_random_port(f"tcp://{relay_host}")
+        self.endpoint = f"tcp://{relay_host}:{port}"
+        """Where routers follow this engine's events (CurveZMQ, admitted keys only)."""
         self._keys: dict[int, None] = {}
         self._offloaded: Counter[int] = Counter()
         """Host-tier blocks, counted: vLLM may announce one block in several chunks."""
@@ -75,6 +137,18 @@ class KVMirror:
         self._keys.clear()
         self._offloaded.clear()
 
+    # Router access
+    def admit(self, router_key: bytes) -> None:
+        """Let the router holding `router_key`'s secret follow the relay."""
+        self._admitted[router_key] = None
+        self._admitted.move_to_end(router_key)
+        while len(self._admitted) > MAX_SUBSCRIBERS:
+            self._admitted.popitem(last=False)
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        """ZAP's question (on its own thread): may this key connect?"""
+        return key in self._admitted
+
     def reset(self) -> None:
         """The engine's prefix cache and host tier were just emptied (reset_prefix_cache).
         vLLM publishes its AllBlocksCleared with the next engine step, which on an idle
@@ -96,12 +170,17 @@ class KVMirror:
 
     def close(self) -> None:
         self._stop.set()
+        self._thread.join(timeout=2)
+        self._relay.close()
+        self._auth.stop()
+        self._ctx.term()
+        if self._ipc_dir is not None:
+            shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _run(self) -> None:
-        import zmq
 
-        ctx = zmq.Context.instance()
-        sub = subscriber(ctx, f"tcp://127.0.0.1:{self.pub_port}")
+        ctx = self._ctx
+        sub = subscriber(ctx, self.vllm_pub)
         dec = decoder()
         while not self._stop.is_set():
             try:
@@ -114,9 +193,11 @@ class KVMirror:
                 if seq > self._seq + 1 and self._seq >= 0:
                     self._replay(ctx, self._seq + 1, seq, dec)
                 with self._lock:
-                    if seq > self._seq:
-                        apply_batch(dec.decode(parts[2]), self)
-                        self._seq = seq
+                    if seq <= self._seq:
+                        continue
+                    apply_batch(dec.decode(parts[2]), self)
+                    self._seq = seq
+                self._relay.send_multipart(parts)
             except Exception:
                 # One bad batch must not end the mirror: routers resync from it.
                 log.exception("KV mirror: event batch skipped")
@@ -127,7 +208,7 @@ class KVMirror:
 
         req = ctx.socket(zmq.DEALER)
         req.setsockopt(zmq.LINGER, 0)
-        req.connect(f"tcp://127.0.0.1:{self.replay_port}")
+        req.connect(self.vllm_replay)
         req.send_multipart((b"", start.to_bytes(8, "big")))
         got = 0
         while req.poll(2000):
@@ -139,6 +220,7 @@ class KVMirror:
                 with self._lock:
                     apply_batch(dec.decode(frames[3]), self)
                     self._seq = seq
+                self._relay.send_multipart((b"kv", frames[2], frames[3]))
                 got += 1
         req.close()
         if got < upto - start:

@@ -95,7 +95,10 @@ class EngineInfo:
     """Requests the engine runs in one batch (vLLM's scheduler limit)."""
     startup_s: float
     kv_events: str | None
-    """ZMQ endpoint of the engine's KV events (None: it publishes none)."""
+    """ZMQ endpoint of the engine's KV events (None: it publishes none): CurveZMQ, open to
+    the routers whose keys the engine admitted (`kv_subscribe`)."""
+    kv_events_key: str | None = None
+    """The relay's CurveZMQ public key (Z85)."""
     host_kv_gib: float = 0.0
     """Its host-memory KV tier (engine.kv_offload.size_gib; 0: none)."""
     engine_pids: list[int] = field(default_factory=list)

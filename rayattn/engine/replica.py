@@ -67,14 +67,16 @@ class EngineReplica:
             # before the engine publishes anything) is what they resync from.
             from vllm.config import KVEventsConfig
 
-            from rayattn.engine.kv_mirror import KVMirror, node_ip
+            from rayattn.engine.kv_mirror import KVMirror, node_ip, private_ipc_endpoints
 
-            pub, replay = compat.free_port(), compat.free_port()
+            # vLLM's sockets carry every tenant's token ids: IPC, in a private directory;
+            # routers read the mirror's authenticated relay instead (kv_mirror.py).
+            ipc_dir, pub, replay = private_ipc_endpoints()
             kwargs["kv_events_config"] = KVEventsConfig(
-                enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{pub}",
-                replay_endpoint=f"tcp://*:{replay}", topic="kv")
-            self.kv_mirror = KVMirror(pub, replay)
-            kv_endpoint = f"tcp://{node_ip()}:{pub}"
+                enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
+                replay_endpoint=replay, topic="kv")
+            self.kv_mirror = KVMirror(pub, replay, node_ip(), ipc_dir)
+            kv_endpoint = self.kv_mirror.endpoint
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
@@ -88,6 +90,8 @@ class EngineReplica:
             "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
             "startup_s": round(time.monotonic() - t0, 2),
             "kv_events": kv_endpoint,
+            "kv_events_key": (self.kv_mirror.server_key.decode()
+                              if self.kv_mirror is not None else None),
             "host_kv_gib": (cfg.engine.kv_offload.size_gib if cfg.engine.kv_offload.enabled
                             else 0.0),
         }
@@ -158,6 +162,13 @@ class EngineReplica:
         from rayattn.routing.kv_events import Snapshot
 
         return self.kv_mirror.snapshot() if self.kv_mirror is not None else Snapshot(-1, [])
+
+    async def kv_subscribe(self, target: str | None, router_key: str) -> None:
+        """Admit a router's CurveZMQ public key to this engine's KV event relay (the call
+        comes over Ray, the channel every request already takes)."""
+        self._pinned(target)
+        if self.kv_mirror is not None:
+            self.kv_mirror.admit(router_key.encode())
 
     async def reset_prefix_cache(self, target: str | None) -> bool:
         """Empty the prefix cache and the host KV tier behind it (benchmarks compare policies

@@ -3,6 +3,13 @@
 The RayService's serveConfigV2 is the very Serve config `serve run` takes (HTTP bound to
 0.0.0.0 inside the pod), and the cluster is sized from the same plan `rayattn check` prints:
 GPUs per replica (TP×PP), replicas (DP), GPUs per node, backend env.
+
+What the cluster exposes (docs/security.md): NetworkPolicies let other pods reach only the
+OpenAI port (guarded by the API keys); the Ray dashboard / job API only from the KubeRay
+operator, metrics only from Prometheus's namespace, everything else only from the cluster's
+own pods; Ray's token authentication guards GCS and the dashboard besides. The API keys
+are only in the head pod, where the routers are pinned; engine pods run model code
+(`trust_remote_code`) and hold no key.
 """
 
 from __future__ import annotations
@@ -50,23 +57,29 @@ def node_range(plans: list[Plan]) -> tuple[int, int]:
 
 
 API_KEYS_SECRET = "rayattn-api-keys"
+ROUTER_RESOURCE = "rayattn_router"
+"""Declared by the head alone; the routers need it (serve.router_node_resource)."""
+SERVE_PORT = 8000
+DASHBOARD_PORT = 8265
 
 
-def _env(plan: Plan) -> list[dict[str, Any]]:
+def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
     env = [{"name": k, "value": v} for k, v in sorted(plan.env.items())]
     env += [
-        # Never inline the token: read it from a Secret the operator creates.
+        # Never inline the token: read it from a Secret the operator creates. Engines load
+        # weights with it, routers the tokenizer.
         {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": "hf-token", "key": "token", "optional": True}}},
         {"name": "HF_HOME", "value": MODEL_CACHE},
-        # The router's API keys (router.api_keys_env / admin_keys_env name these variables).
-        # Optional here so the pod starts; a router that needs a missing key refuses to
-        # deploy rather than serving openly.
-        *({"name": var, "valueFrom": {"secretKeyRef": {
-            "name": API_KEYS_SECRET, "key": key, "optional": True}}}
-          for var, key in (("RAYATTN_API_KEYS", "api-keys"),
-                           ("RAYATTN_ADMIN_KEYS", "admin-keys"))),
     ]
+    if api_keys:
+        # The router's API keys (router.api_keys_env / admin_keys_env name these
+        # variables). Optional here so the pod starts; a router that needs a missing key
+        # refuses to deploy rather than serving openly.
+        env += [{"name": var, "valueFrom": {"secretKeyRef": {
+            "name": API_KEYS_SECRET, "key": key, "optional": True}}}
+            for var, key in (("RAYATTN_API_KEYS", "api-keys"),
+                             ("RAYATTN_ADMIN_KEYS", "admin-keys"))]
     return env
 
 
@@ -74,7 +87,7 @@ def _container(name: str, image: str, plan: Plan, resources: dict, ports: list[d
                gpu: bool) -> dict:
     c: dict[str, Any] = {
         "name": name, "image": image, "imagePullPolicy": "IfNotPresent",
-        "env": _env(plan), "resources": resources, "ports": ports,
+        "env": _env(plan, api_keys=not gpu), "resources": resources, "ports": ports,
         "volumeMounts": [{"name": "dshm", "mountPath": "/dev/shm"},
                          {"name": "model-cache", "mountPath": MODEL_CACHE}],
         "lifecycle": {"preStop": {"exec": {"command": ["/bin/sh", "-c", "ray stop"]}}},
@@ -92,8 +105,14 @@ def _volumes(shm_gib: int) -> list[dict]:
 
 
 def serve_config_for_pod(serve_config: dict) -> dict:
+    """The Serve config as the pods run it: HTTP on every interface of the head, routers
+    pinned to the head (the one pod with the API keys)."""
     sc = copy.deepcopy(serve_config)
-    sc["http_options"] = {**sc.get("http_options", {}), "host": "0.0.0.0", "port": 8000}
+    sc["http_options"] = {**sc.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
+    for app in sc.get("applications", []):
+        if str(app.get("import_path", "")).startswith("rayattn."):
+            serve = app.setdefault("args", {}).setdefault("serve", {})
+            serve["router_node_resource"] = ROUTER_RESOURCE
     return sc
 
 
@@ -124,16 +143,20 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     elastic = max_nodes > min_nodes
     acc = plat.accelerator_type or "MI300X"
     mem_request, mem_limit = worker_memory_gib(plans)
+    # No Ray Client port: it runs arbitrary code, and nothing here uses it.
     head_ports = [{"containerPort": 6379, "name": "gcs-server"},
-                  {"containerPort": 8265, "name": "dashboard"},
-                  {"containerPort": 10001, "name": "client"},
-                  {"containerPort": 8000, "name": "serve"},
+                  {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+                  {"containerPort": SERVE_PORT, "name": "serve"},
                   {"containerPort": METRICS_PORT, "name": "metrics"}]
+    labels = _pod_labels(name)
     head = {
+        # The dashboard listens on the pod's interfaces for the KubeRay operator, which
+        # submits the Serve config through it; the NetworkPolicies admit only the operator.
         "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0",
-                           "metrics-export-port": str(METRICS_PORT)},
+                           "metrics-export-port": str(METRICS_PORT),
+                           "resources": json.dumps({ROUTER_RESOURCE: 1})},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": "rayattn"}},
+            "metadata": {"labels": labels},
             "spec": {
                 # The head runs the Serve controller, proxy and router: no GPUs.
                 "containers": [_container("ray-head", image, plan, {
@@ -150,7 +173,7 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                            "metrics-export-port": str(METRICS_PORT),
                            "resources": json.dumps({f"accelerator_type:{acc}": 1})},
         "template": {
-            "metadata": {"labels": {"app.kubernetes.io/name": "rayattn"}},
+            "metadata": {"labels": labels},
             "spec": {
                 "containers": [_container("ray-worker", image, plan, {
                     "requests": {"cpu": "96", "memory": f"{mem_request}Gi",
@@ -178,6 +201,9 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                                             sort_keys=False),
             "rayClusterConfig": {
                 "rayVersion": RAY_VERSION, "enableInTreeAutoscaling": elastic,
+                # Ray's token authentication: GCS, the dashboard and the job API refuse
+                # callers without the cluster's token (KubeRay creates and shares it).
+                "authOptions": {"mode": "token"},
                 **({"autoscalerOptions": {
                     # A GPU node that held a drained replica goes after 10 idle minutes
                     # (a new one takes minutes to join and load the model).
@@ -185,6 +211,48 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                 "headGroupSpec": head, "workerGroupSpecs": [worker]},
         },
     }
+
+
+def _pod_labels(name: str) -> dict[str, str]:
+    return {"app.kubernetes.io/name": "rayattn", "app.kubernetes.io/instance": name}
+
+
+def network_policies(name: str) -> list[dict]:
+    """Who may open a connection to the cluster's pods. Policies add up: a pod selected by
+    any of them accepts only what one of them admits."""
+    pods = {"matchLabels": {"app.kubernetes.io/instance": name}}
+    head = {"matchLabels": {"app.kubernetes.io/instance": name, "ray.io/node-type": "head"}}
+
+    def policy(suffix: str, selector: dict, rule: dict) -> dict:
+        return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+                "metadata": {"name": f"{name}-{suffix}",
+                             "labels": {"app.kubernetes.io/name": "rayattn"}},
+                "spec": {"podSelector": selector, "policyTypes": ["Ingress"],
+                         "ingress": [rule]}}
+
+    return [
+        # Ray's own traffic (GCS, raylets, object transfer, Serve's calls, KV events)
+        # between this cluster's pods only.
+        policy("ray-internal", pods, {"from": [{"podSelector": pods}]}),
+        # The OpenAI API from anywhere: the router's API keys guard it.
+        policy("openai", head, {"ports": [{"port": SERVE_PORT, "protocol": "TCP"}]}),
+        # The dashboard / job API only from the KubeRay operator (it deploys the Serve
+        # config through it).
+        policy("ray-operator", head, {
+            "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
+                "app.kubernetes.io/name": "kuberay-operator"}}}],
+            "ports": [{"port": DASHBOARD_PORT, "protocol": "TCP"}]}),
+        # Metrics only from Prometheus's namespace (the PodMonitors of monitoring()).
+        policy("metrics", pods, {
+            "from": [{"namespaceSelector": {"matchLabels": {
+                "kubernetes.io/metadata.name": "prometheus-system"}}}],
+            "ports": [{"port": METRICS_PORT, "protocol": "TCP"}]}),
+    ]
+
+
+def rayservice_manifest(serve_config: dict, name: str, image: str = DEFAULT_IMAGE) -> str:
+    """The RayService and the NetworkPolicies that go with it, as one file."""
+    return dump([render_rayservice(serve_config, name, image), *network_policies(name)])
 
 
 def monitoring(namespace: str = "default") -> list[dict]:
@@ -246,8 +314,7 @@ def dump(docs: list[dict]) -> str:
 
 def render_all(root: Path) -> dict[str, str]:
     """Every file under k8s/ that `python -m rayattn.k8s.render` writes (tests compare)."""
-    files = {f"{n}.yaml": dump([render_rayservice(load_serve_config(root / p),
-                                                  f"rayattn-{n}")])
+    files = {f"{n}.yaml": rayservice_manifest(load_serve_config(root / p), f"rayattn-{n}")
              for n, p in MANIFESTS.items()}
     files["monitoring.yaml"] = dump(monitoring())
     files["grafana-dashboard.yaml"] = dump([dashboard_configmap()])
@@ -257,8 +324,8 @@ def render_all(root: Path) -> dict[str, str]:
 
 def main(args: argparse.Namespace) -> int:
     name = "rayattn-" + Path(args.config).stem
-    doc = render_rayservice(load_serve_config(args.config), name, args.image or DEFAULT_IMAGE)
-    text = dump([doc])
+    text = rayservice_manifest(load_serve_config(args.config), name,
+                               args.image or DEFAULT_IMAGE)
     if args.out:
         Path(args.out).write_text(text)
     else:

@@ -174,7 +174,7 @@ class Dispatcher:
         if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device,
                                 r.info.max_num_seqs, r.info.host_kv_gib > 0):
             return False
-        self.feeds.join(r.name, r.info.kv_events, r.handle)
+        self.feeds.join(r.name, r.info.kv_events, r.info.kv_events_key, r.handle)
         return True
 
     def _left(self, r: Replica) -> None:
@@ -195,7 +195,7 @@ class Dispatcher:
         for name in self.live():
             r = self.fleet.members[name]
             if r.info is not None:
-                self.feeds.join(name, r.info.kv_events, r.handle)
+                self.feeds.join(name, r.info.kv_events, r.info.kv_events_key, r.handle)
 
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.admission.limit = rc.max_inflight

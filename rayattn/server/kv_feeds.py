@@ -13,7 +13,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rayattn.engine.kv_mirror import subscriber
+from rayattn.engine.kv_mirror import CurveKeys, subscriber
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.kv_events import CacheSink, Snapshot, Tier, apply_batch, decoder
 from rayattn.routing.prefix_index import EventIndex
@@ -62,8 +62,12 @@ class KVFeeds:
     def __init__(self, core: RoutingCore) -> None:
         self.core = core
         self.feeds: dict[str, EventFeed] = {}
+        self.keys = CurveKeys.new()
+        """This router's key pair: engines admit its public key (kv_subscribe), and the
+        secret never leaves this process."""
 
-    def join(self, name: str, endpoint: str | None, handle: Any) -> None:
+    def join(self, name: str, endpoint: str | None, server_key: str | None,
+             handle: Any) -> None:
         self.leave(name)
         if self.core.index_mode != "events":
             return
@@ -75,7 +79,11 @@ class KVFeeds:
         async def snapshot() -> Snapshot:
             return await handle.kv_snapshot.remote()
 
-        feed = EventFeed(endpoint, _ReplicaSink(self.core, name), snapshot, name)
+        async def admit() -> None:
+            await handle.kv_subscribe.remote(self.keys.public.decode())
+
+        feed = EventFeed(endpoint, _ReplicaSink(self.core, name), snapshot, name,
+                         (server_key.encode(), self.keys) if server_key else None, admit)
         self.feeds[name] = feed
         feed.start()
 
@@ -99,9 +107,12 @@ class EventFeed:
     A batch whose sequence is not last+1 means batches were lost: resync."""
 
     def __init__(self, endpoint: str, sink: FeedSink,
-                 snapshot: Callable[[], Awaitable[Snapshot]], name: str) -> None:
+                 snapshot: Callable[[], Awaitable[Snapshot]], name: str,
+                 curve: tuple[bytes, CurveKeys] | None = None,
+                 admit: Callable[[], Awaitable[None]] | None = None) -> None:
         self.endpoint, self.sink, self._snapshot = endpoint, sink, snapshot
         self.name = name
+        self._curve, self._admit = curve, admit
         self.last_seq = -1
         self._seen = -1
         """Highest sequence number received (a resync must reach at least this)."""
@@ -124,16 +135,22 @@ class EventFeed:
         ctx = zmq.asyncio.Context.instance()
         dec = decoder()
         while True:
-            sock = subscriber(ctx, self.endpoint)
+            sock = None
             try:
+                if self._admit is not None:
+                    # Before connecting: a handshake with a key not yet admitted is refused.
+                    await self._admit()
+                sock = subscriber(ctx, self.endpoint, *(self._curve or ()))
                 await self._follow(sock, dec)
             except asyncio.CancelledError:
-                sock.close()
+                if sock is not None:
+                    sock.close()
                 raise
             except Exception:
                 log.exception("KV event feed %s failed; resyncing", self.name)
                 await asyncio.sleep(1.0)
-            sock.close()
+            if sock is not None:
+                sock.close()
 
     async def _follow(self, sock: Any, dec: Any) -> None:
         # Give the subscription a moment to reach the publisher (ZMQ's slow joiner), then

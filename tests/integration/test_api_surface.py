@@ -129,6 +129,7 @@ def test_one_tenant_cannot_learn_from_the_cache_what_another_sent(keyed):
         messages += [first["choices"][0]["message"], {"role": "user",
                                                       "content": f"And clause {turn + 5}?"}]
         probe = chat(b, messages, "conv")  # B replays A's conversation, same session id
+        print("DBG", turn, first["usage"], probe["usage"])
         assert cached(probe) == 0, probe["usage"]
         assert "rayattn" not in probe
         first = chat(a, messages, "conv")

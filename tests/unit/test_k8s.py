@@ -4,6 +4,7 @@ sync with the generator, and carrying a Serve config that passes `rayattn check`
 from __future__ import annotations
 
 import copy
+import json
 import os
 from pathlib import Path
 
@@ -131,3 +132,60 @@ def test_worker_pods_request_the_engines_offload_tiers():
     assert (request, limit) == (32 * 8 + 1200, 2048)
     cfg.engine.kv_offload.size_gib = 0
     assert worker_memory_gib([build_plan(cfg)]) == (1024, 2048)
+
+
+@pytest.mark.parametrize("name", ["deepseek", "qwen3", "llama"])
+def test_manifests_expose_only_the_api_and_keep_keys_off_engine_pods(rendered, name):
+    """Issue 25, item 4: before, any pod could reach the Ray dashboard / job API (8265 on
+    0.0.0.0, no NetworkPolicy) and submit a job, and every container held the API keys."""
+    svc, *policies = rendered[f"{name}.yaml"]
+    for p in policies:
+        kubernetes_validate.validate(p, K8S_VERSION, strict=True)
+    by_name = {p["metadata"]["name"].removeprefix(f"rayattn-{name}-"): p["spec"]
+               for p in policies if p["kind"] == "NetworkPolicy"}
+    assert set(by_name) == {"ray-internal", "openai", "ray-operator", "metrics"}
+    rc = svc["spec"]["rayClusterConfig"]
+    head_t = rc["headGroupSpec"]["template"]
+    worker_t = rc["workerGroupSpecs"][0]["template"]
+    instance = head_t["metadata"]["labels"]["app.kubernetes.io/instance"]
+    assert worker_t["metadata"]["labels"]["app.kubernetes.io/instance"] == instance
+    # Every pod is selected (so default-deny applies), and only these ports open wider:
+    for spec in by_name.values():
+        assert spec["policyTypes"] == ["Ingress"]
+        assert spec["podSelector"]["matchLabels"]["app.kubernetes.io/instance"] == instance
+    open_ports = {(k, port["port"]) for k, s in by_name.items() for rule in s["ingress"]
+                  for port in rule.get("ports", [])}
+    assert open_ports == {("openai", 8000), ("ray-operator", 8265), ("metrics", 8080)}
+    assert by_name["ray-operator"]["ingress"][0]["from"][0]["podSelector"] == {
+        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+    internal = by_name["ray-internal"]["ingress"][0]
+    assert "ports" not in internal and internal["from"] == [
+        {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": instance}}}]
+    assert rc["authOptions"] == {"mode": "token"}
+    head_ports = {p["containerPort"] for p in head_t["spec"]["containers"][0]["ports"]}
+    assert 10001 not in head_ports  # no Ray Client
+    # API keys only in the head, where the routers are pinned.
+    head_env = {e["name"] for e in head_t["spec"]["containers"][0]["env"]}
+    worker_env = {e["name"] for e in worker_t["spec"]["containers"][0]["env"]}
+    assert {"RAYATTN_API_KEYS", "RAYATTN_ADMIN_KEYS"} <= head_env
+    assert not {"RAYATTN_API_KEYS", "RAYATTN_ADMIN_KEYS"} & worker_env
+    resource = json.loads(rc["headGroupSpec"]["rayStartParams"]["resources"])
+    assert "resources" not in rc["workerGroupSpecs"][0]["rayStartParams"] or not set(
+        resource) & set(json.loads(rc["workerGroupSpecs"][0]["rayStartParams"]["resources"]))
+    (_, cfg), = rayattn_apps(yaml.safe_load(svc["spec"]["serveConfigV2"]))
+    assert cfg.serve.router_node_resource in resource
+
+
+def test_routers_need_the_node_resource_engines_do_not(rendered):
+    from rayattn.app import engine_options, router_options
+
+    svc = rendered["llama.yaml"][0]
+    (_, cfg), = rayattn_apps(yaml.safe_load(svc["spec"]["serveConfigV2"]))
+    resource = cfg.serve.router_node_resource
+    assert resource and router_options(cfg)["ray_actor_options"]["resources"] == {
+        resource: pytest.approx(0.001)}
+    engine = engine_options(build_plan(cfg))["ray_actor_options"]
+    assert resource not in (engine.get("resources") or {})
+    # Without the setting (serve run on one machine) routers go anywhere.
+    cfg.serve.router_node_resource = None
+    assert "resources" not in router_options(cfg)["ray_actor_options"]

@@ -1,26 +1,20 @@
-"""KV events end to end on loopback, without an engine: vLLM's own ZMQ publisher → the engine
-replica's mirror → a router's EventFeed → the index it routes on."""
+"""KV events end to end, without an engine: vLLM's own ZMQ publisher (on private IPC
+sockets) → the engine replica's mirror and its CurveZMQ relay → a router's EventFeed → the
+index it routes on."""
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import time
 from types import SimpleNamespace
 
 import pytest
 
 from rayattn.config.schema import RouterConfig
-from rayattn.engine.kv_mirror import KVMirror
+from rayattn.engine.kv_mirror import KVMirror, private_ipc_endpoints
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.kv_feeds import KVFeeds
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stored(keys: list[int]):
@@ -32,13 +26,28 @@ def _stored(keys: list[int]):
 
 @pytest.fixture
 def publisher():
+    """vLLM's publisher as an engine replica configures it, and the replica's mirror."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    pub_port, replay_port = _port(), _port()
-    pub = ZmqEventPublisher(0, endpoint=f"tcp://*:{pub_port}",
-                            replay_endpoint=f"tcp://*:{replay_port}", topic="kv")
-    yield pub, pub_port, replay_port
+    ipc_dir, pub_ep, replay_ep = private_ipc_endpoints()
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
+    mirror = KVMirror(pub_ep, replay_ep, "127.0.0.1", ipc_dir)
+    time.sleep(0.3)  # the mirror subscribes before anything is published, like in a replica
+    yield pub, mirror
+    mirror.close()
     pub.shutdown()
+
+
+def _handle(mirror: KVMirror) -> SimpleNamespace:
+    """What a router calls on an engine replica (over Ray in a deployment)."""
+    async def snapshot():
+        return mirror.snapshot()
+
+    async def subscribe(key: str):
+        mirror.admit(key.encode())
+
+    return SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot),
+                           kv_subscribe=SimpleNamespace(remote=subscribe))
 
 
 def _send(pub, *events) -> None:
@@ -57,9 +66,7 @@ async def _until(cond, timeout: float = 10.0) -> None:
 def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
-    pub, pub_port, replay_port = publisher
-    mirror = KVMirror(pub_port, replay_port)
-    time.sleep(0.3)  # the mirror subscribes before anything is published, like in a replica
+    pub, mirror = publisher
     _send(pub, _stored([11, 12, 13]))
     deadline = time.time() + 10
     while len(mirror) < 3 and time.time() < deadline:
@@ -73,12 +80,8 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
         index = core.index
         assert isinstance(index, EventIndex)
 
-        async def snapshot():
-            return mirror.snapshot()
-
         feeds = KVFeeds(core)
-        feeds.join("e0", f"tcp://127.0.0.1:{pub_port}",
-                   SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot)))
+        feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
         feed = feeds.feeds["e0"]
         # A router that starts late learns what was stored before it from the snapshot.
         await _until(lambda: index.match([11, 12, 13]) == {"e0": 3})
@@ -102,10 +105,7 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
         await _until(lambda: index.match([21]) == {"e0": 1} and index.size("e0") == 2)
         feed.stop()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        mirror.close()
+    asyncio.run(scenario())
 
 
 def test_speculative_overlay_expires_and_yields_to_events():
@@ -156,9 +156,7 @@ def _offloaded(keys: list[int], medium: str = "CPU"):
 def test_host_tier_events_reach_the_index_beside_the_gpu_cache(publisher):
     from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved
 
-    pub, pub_port, replay_port = publisher
-    mirror = KVMirror(pub_port, replay_port)
-    time.sleep(0.3)
+    pub, mirror = publisher
     # A conversation's history: blocks 1-4 computed on the GPU and offloaded; then blocks
     # 1-3 evicted from the GPU (the host copies stay). Block 2 is announced by two
     # overlapping chunks: it leaves the host tier with the second removal only. A storage
@@ -176,12 +174,8 @@ def test_host_tier_events_reach_the_index_beside_the_gpu_cache(publisher):
         assert core.joined("e0", 16, 100) and core.joined("e1", 16, 100)
         index = core.index
 
-        async def snapshot():
-            return mirror.snapshot()
-
         feeds = KVFeeds(core)
-        feeds.join("e0", f"tcp://127.0.0.1:{pub_port}",
-                   SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot)))
+        feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
         # From the snapshot: nothing of 1-3 in e0's HBM, all of 1-4 in its host tier, so
         # vLLM would reload the whole prefix there (its connector looks past the GPU hit).
         await _until(lambda: index.match_tiers([1, 2, 3, 4, 5]) == ({"e0": 4}, {"e0": 4}))
@@ -209,11 +203,8 @@ def test_host_tier_events_reach_the_index_beside_the_gpu_cache(publisher):
         await _until(lambda: index.size("e0") == 0 and index.offloaded("e0") == 0)
         feeds.feeds["e0"].stop()
 
-    try:
-        asyncio.run(scenario())
-        assert mirror.snapshot().offloaded == []
-    finally:
-        mirror.close()
+    asyncio.run(scenario())
+    assert mirror.snapshot().offloaded == []
 
 
 def test_host_tier_is_looked_up_only_past_the_gpu_hit():
@@ -230,3 +221,45 @@ def test_host_tier_is_looked_up_only_past_the_gpu_hit():
     assert index.match_tiers([1, 2, 3])[0]["a"] == 2
     index.remove_replica("a")
     assert index.offloaded("a") == 0 and "a" not in index.match_tiers([1, 2])[0]
+
+
+def test_only_admitted_routers_read_the_events(publisher):
+    """Issue 25, item 1: before, vLLM's publisher and replay sockets bound tcp://* with no
+    authentication, and anyone reaching the node read every tenant's token ids. Now vLLM's
+    sockets are IPC files in a 0700 directory, and the relay answers only CurveZMQ clients
+    whose key the engine admitted: a plain subscriber and one with a key of its own (even
+    knowing the relay's public key) read nothing while an admitted one reads every batch."""
+    import os
+    import stat
+
+    import zmq
+
+    from rayattn.engine.kv_mirror import CurveKeys, subscriber
+
+    pub, mirror = publisher
+    ipc_dir = mirror.vllm_pub.removeprefix("ipc://").rsplit("/", 1)[0]
+    assert stat.S_IMODE(os.stat(ipc_dir).st_mode) == 0o700
+    assert mirror.vllm_pub.startswith("ipc://") and mirror.vllm_replay.startswith("ipc://")
+    assert mirror.endpoint.startswith("tcp://127.0.0.1:")  # the node address, not *
+
+    ctx = zmq.Context()
+    plain = subscriber(ctx, mirror.endpoint)
+    stranger = subscriber(ctx, mirror.endpoint, mirror.server_key, CurveKeys.new())
+    router_keys = CurveKeys.new()
+    mirror.admit(router_keys.public)
+    router = subscriber(ctx, mirror.endpoint, mirror.server_key, router_keys)
+    time.sleep(0.5)  # handshakes (and refusals)
+    for i in range(20):
+        _send(pub, _stored([100 + i]))
+    got = {"plain": 0, "stranger": 0, "router": 0}
+    deadline = time.time() + 5
+    while time.time() < deadline and got["router"] < 20:
+        for name, sock in (("plain", plain), ("stranger", stranger), ("router", router)):
+            while sock.poll(10):
+                parts = sock.recv_multipart()
+                assert len(parts) == 3
+                got[name] += 1
+    assert got == {"plain": 0, "stranger": 0, "router": 20}
+    for sock in (plain, stranger, router):
+        sock.close()
+    ctx.term()
