@@ -337,11 +337,25 @@ class RouterConfig(_Strict):
     quarantine_s: float = Field(600.0, gt=0)
     """How long a prompt stays refused once quarantined."""
     max_inflight: PositiveInt = 256
-    """Admission limit of one ingress replica; beyond it requests get 429 + Retry-After."""
+    """Admission limit of one ingress replica, in engine requests (a request with n=4
+    counts 4); beyond it requests get 429 + Retry-After, except from a key still under its
+    fair share of the limit (the limit over the keys with requests in the router)."""
+    key_max_inflight: PositiveInt | None = None
+    """Requests of one API key on the engines at once, per router; more wait in the router,
+    in arrival order (None: no cap). Whatever the cap, a freed engine slot goes to the key
+    with the fewest requests on the engines."""
+    key_requests_per_s: float | None = Field(None, gt=0)
+    """Requests per second one API key may send to one router, in bursts of up to a
+    second's worth (429 + Retry-After beyond; None: no limit)."""
     request_timeout_s: float = Field(300, gt=0)
     """Upper bound on one request; the engine request is aborted when it passes."""
     max_body_bytes: PositiveInt = 4 * 1024 * 1024
-    """Largest accepted request body (413 beyond)."""
+    """Largest accepted request body: 413 as soon as the declared length or the bytes read
+    so far pass it (a chunked upload is not read to its end)."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Time a client has to send its whole body once the request started (408 beyond): a
+    slow sender holds no admission slot and no engine, but must not hold the router forever
+    either."""
     limits: RequestLimits = Field(default_factory=RequestLimits)
     """Sizes of the fields that multiply the work of one request (400 beyond)."""
     api_keys_env: str | None = None

@@ -38,37 +38,9 @@ from rayattn.server.kv_feeds import KVFeeds
 from rayattn.server.loop_watch import LoopWatch
 from rayattn.server.pinning import PinnedHandle
 from rayattn.server.replica_set import Replica, ReplicaSet, failure
+from rayattn.server.tenant_limits import Admission, FairQueue, RateLimits, Slot
 
 log = logging.getLogger("rayattn.router")
-
-
-class Admission:
-    """At most `limit` requests in this router at once, counted from the moment a request
-    is admitted (not when it reaches an engine), so a burst cannot overshoot."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit, self.inflight, self.peak = limit, 0, 0
-
-    def acquire(self) -> Slot:
-        if self.inflight >= self.limit:
-            raise APIError(429, f"router at its admission limit ({self.limit} in flight); "
-                                "retry later", retry_after=1)
-        self.inflight += 1
-        self.peak = max(self.peak, self.inflight)
-        return Slot(self)
-
-
-class Slot:
-    """One admitted request's place; released exactly once, from whichever path ends the
-    request first (response done, client gone, error before the response started)."""
-
-    def __init__(self, admission: Admission) -> None:
-        self._admission: Admission | None = admission
-
-    def release(self) -> None:
-        if self._admission is not None:
-            self._admission.inflight -= 1
-            self._admission = None
 
 
 # How long a request waits for an engine replica when some exist but none is up.
@@ -139,6 +111,8 @@ class Dispatcher:
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.admission = Admission(cfg.router.max_inflight)
+        self.rates = RateLimits(cfg.router.key_requests_per_s)
+        self.fair = FairQueue(cfg.router.key_max_inflight)
         self.counts: dict[str, float] = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0,
                                          "engine_crashes": 0, "quarantined": 0,
                                          "kv_held": 0, "kv_held_s": 0.0}
@@ -158,6 +132,7 @@ class Dispatcher:
 
     async def _report_loop(self) -> None:
         while True:
+            self.feeds.restart_stale()
             if self.metrics is not None:
                 live = self.live()
                 load = self.core.load
@@ -199,6 +174,7 @@ class Dispatcher:
 
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.admission.limit = rc.max_inflight
+        self.rates.rate, self.fair.key_cap = rc.key_requests_per_s, rc.key_max_inflight
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
         if self.core.reconfigure(rc.model_dump()):
             self._refeed()
@@ -253,9 +229,12 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
 
-    def admit(self) -> Slot:
+    def admit(self, tenant: str = "", weight: int = 1) -> Slot:
+        """A place in this router for a request of `tenant` asking for `weight` engine
+        requests (its n, its prompts), within the key's rate and fair share (429 beyond)."""
         try:
-            return self.admission.acquire()
+            self.rates.take(tenant)
+            return self.admission.acquire(tenant, weight)
         except APIError:
             self._reject(429)
             raise
@@ -265,13 +244,14 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.failures.inc(1, {**self.metrics.base, "cause": type(cause).__name__})
 
-    async def generate(self, req: OpenAIRequest, route: RouteRequest,
-                       buffered: bool = False) -> AsyncIterator[tuple[Reply, Decision]]:
+    async def generate(self, req: OpenAIRequest, route: RouteRequest, buffered: bool = False,
+                       tenant: str = "") -> AsyncIterator[tuple[Reply, Decision]]:
         """Stream items from one replica. A replica failure is retried on another replica
         while nothing has reached the caller: always before the first chunk, and at any
         point when `buffered` (chunks are held until the attempt completes, as a
         non-streaming response needs anyway). Otherwise EngineFailure propagates."""
         tried: set[str] = set()
+        ticket = self.fair.ticket()
         prompt = fingerprint(route, self.core.block_size)
         if held_s := self.quarantine.refused_for(prompt):
             self.counts["quarantined"] += 1
@@ -287,9 +267,10 @@ class Dispatcher:
         try:
             route.max_tokens = _max_tokens(req.body)
             for attempt in range(1 + self.cfg.router.max_retries):
-                candidates = await (self._kv_admitted(route, tried, wait_until)
+                turn = (tenant, ticket)
+                candidates = await (self._kv_admitted(route, tried, wait_until, turn)
                                     if self.core.settings["kv_admission"]
-                                    else self._candidates(tried, wait_until))
+                                    else self._candidates(tried, wait_until, turn))
                 d = self.core.choose(route, candidates, retry=attempt > 0)
                 tried.add(d.replica)
                 if req.log:
@@ -303,7 +284,7 @@ class Dispatcher:
                 try:
                     # aclosing: a client that leaves mid-stream ends the engine call (and
                     # releases its load) now, not when the generator is collected.
-                    async with contextlib.aclosing(self._call(d, req, route)) as chunks:
+                    async with contextlib.aclosing(self._call(d, req, route, tenant)) as chunks:
                         async for chunk in chunks:
                             if buffered:
                                 held.append(chunk)
@@ -344,9 +325,11 @@ class Dispatcher:
             if self.metrics is not None:
                 self.metrics.e2e.observe(time.monotonic() - t0, self.metrics.base)
 
-    async def _candidates(self, tried: set[str], wait_until: float) -> list[str]:
+    async def _candidates(self, tried: set[str], wait_until: float,
+                          turn: tuple[str, int]) -> list[str]:
         """Live replicas (untried ones first) below this router's per-engine cap of
-        serve.max_ongoing_requests; waits here, in the router, while all are at the cap."""
+        serve.max_ongoing_requests; waits here, in the router, while all are at the cap or
+        the request's key at its own, and takes its turn fairly among keys (FairQueue)."""
         cap = self.cfg.serve.max_ongoing_requests
         while True:
             live = self.live()
@@ -360,12 +343,12 @@ class Dispatcher:
                 raise APIError(503, "no engine replica is ready", retry_after=5)
             fresh = [r for r in live if r not in tried] or live
             open_ = [r for r in fresh if self.core.load.local.get(r, 0) < cap]
-            if open_:
+            if open_ and self.fair.may_go(*turn):
                 return open_
-            await asyncio.sleep(0.005)
+            await self.fair.wait(*turn)
 
     async def _kv_admitted(self, route: RouteRequest, tried: set[str],
-                           wait_until: float) -> list[str]:
+                           wait_until: float, turn: tuple[str, int]) -> list[str]:
         """The candidates with KV room for `route` (routing/kv_budget.py); while there are
         none, the request waits here, woken as requests end, continuing conversations
         first and in arrival order within each class. The request's own timeout
@@ -375,7 +358,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                candidates = await self._candidates(tried, wait_until)
+                candidates = await self._candidates(tried, wait_until, turn)
                 if not self.core.settings["kv_admission"]:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)
@@ -402,16 +385,17 @@ class Dispatcher:
             if not wake.done():
                 wake.set_result(None)
 
-    async def _call(self, d: Decision, req: OpenAIRequest,
-                    route: RouteRequest) -> AsyncIterator[Reply]:
+    async def _call(self, d: Decision, req: OpenAIRequest, route: RouteRequest,
+                    tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica = d.replica
         req.origin = self.core.load.origin
         gen = None
+        self.fair.started(tenant)
         try:
             self.core.dispatched(d, route)
-            sent = time.time()
+            sent, sent_mono = time.time(), time.monotonic()
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:
@@ -430,6 +414,9 @@ class Dispatcher:
                     self.core.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
                 # Learn only from a request that ran (not an error answer).
                 if chunk.final and chunk.timings:
+                    if (chunk.prompt_tokens + chunk.completion_tokens
+                            - chunk.num_cached_tokens >= self.core.block_size):
+                        self.feeds.expect(replica, sent_mono)  # new blocks: events are due
                     try:
                         self.core.finished(d, route, Finished(
                             chunk.prompt_tokens, chunk.num_cached_tokens, chunk.token_ids,
@@ -447,6 +434,7 @@ class Dispatcher:
             if gen is not None:
                 gen.cancel()
             self.core.ended(d)
+            self.fair.ended(tenant)
             if self._kv_waiters:
                 self._kv_wake()
 

@@ -33,7 +33,7 @@ from rayattn.server.errors import (
     from_validation,
 )
 from rayattn.server.rendering import PromptRenderer, Rendered
-from rayattn.server.tenancy import Keys, cache_salt
+from rayattn.server.tenancy import Keys, cache_salt, key_id
 
 log = logging.getLogger("rayattn.ingress")
 REQUEST_ID_HEADER = "x-request-id"
@@ -116,10 +116,8 @@ class Ingress:
                     key: str | None) -> tuple[dict[str, Any], Any]:
         """The JSON body, in the caller's cache namespace, and vLLM's request model of it
         (vLLM's own validation)."""
-        raw = await request.body()
-        if len(raw) > self.cfg.router.max_body_bytes:
-            raise APIError(413, f"request body of {len(raw)} bytes exceeds the limit of "
-                                f"{self.cfg.router.max_body_bytes}")
+        raw = await read_body(request, self.cfg.router.max_body_bytes,
+                              self.cfg.router.body_timeout_s)
         try:
             data = json.loads(raw)
         except (ValueError, RecursionError) as e:
@@ -176,19 +174,20 @@ class Ingress:
                                  self.cfg.router.limits)
             await self._start()
             data, body = await self._body(request, kind, key)
-            slot = self.dispatcher.admit()
+            tenant = key_id(key)
+            slot = self.dispatcher.admit(tenant, limits.engine_requests(kind, data))
         except APIError as e:
             return e.response()
         # From here the slot is ours until the response ends; whichever path ends the
         # request releases it (once).
         try:
-            return await self._admitted(request, kind, data, body, rid, slot)
+            return await self._admitted(request, kind, data, body, rid, slot, tenant)
         except BaseException:
             slot.release()
             raise
 
     async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
-                        rid: str, slot: Slot) -> Response:
+                        rid: str, slot: Slot, tenant: str) -> Response:
         try:
             prompt = await self._render(kind, body)
         except APIError as e:
@@ -208,7 +207,7 @@ class Ingress:
         if stream:
             # The first item before the response starts: a request that fails before any
             # output (no replica, vLLM rejects it, timeout) gets its real status code.
-            items = self.dispatcher.generate(oreq, route)
+            items = self.dispatcher.generate(oreq, route, tenant=tenant)
             try:
                 async with asyncio.timeout_at(deadline):
                     first, decision = await anext(items)
@@ -227,16 +226,17 @@ class Ingress:
             return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
                            media_type="text/event-stream",
                            headers=_replica_header(decision, account))
-        return await self._complete(oreq, route, arrived, slot, account)
+        return await self._complete(oreq, route, arrived, slot, account, tenant)
 
     async def _complete(self, req: OpenAIRequest, route: Any, arrived: Arrival,
-                        slot: Slot, account: bool) -> Response:
+                        slot: Slot, account: bool, tenant: str) -> Response:
         last, decision = None, None
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
                 # Buffered: nothing reaches the client before the answer is whole, so the
                 # dispatcher may retry a replica failure at any point.
-                async for item, d in self.dispatcher.generate(req, route, buffered=True):
+                async for item, d in self.dispatcher.generate(req, route, buffered=True,
+                                                              tenant=tenant):
                     if item.final:
                         last, decision = item, d
         except (APIError, EngineFailure, TimeoutError) as e:
@@ -375,6 +375,30 @@ class _Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._slot.release()
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The body, read chunk by chunk with the limit checked as it grows: a body declared or
+    grown past `limit` is refused without reading the rest (a chunked upload of any size
+    costs the router at most `limit` bytes), and one that takes longer than `timeout_s`
+    is refused too."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} "
+                            "(router.max_body_bytes)")
+    parts, size = [], 0
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise APIError(413, f"request body exceeds the limit of {limit} bytes "
+                                        "(router.max_body_bytes)")
+                parts.append(chunk)
+    except TimeoutError:
+        raise APIError(408, f"request body not received within {timeout_s:g} s "
+                            "(router.body_timeout_s)") from None
+    return b"".join(parts)
 
 
 def request_id(request: Request) -> str:

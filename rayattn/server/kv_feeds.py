@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -20,6 +21,10 @@ from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.background import detached
 
 log = logging.getLogger("rayattn.kv_events")
+
+STALE_S = 10.0
+"""How long a feed may stay silent after its engine finished a request that must have
+stored new blocks, before the router stops trusting it and resyncs."""
 
 
 class FeedSink(CacheSink, Protocol):
@@ -96,7 +101,31 @@ class KVFeeds:
         feed = self.feeds.get(name)
         if feed is None:
             return {}
-        return {"seq": feed.last_seq, "resyncs": feed.resyncs, "batches": feed.batches}
+        return {"seq": feed.last_seq, "resyncs": feed.resyncs, "batches": feed.batches,
+                "stale": feed.stale}
+
+    def expect(self, name: str, since: float) -> None:
+        """`name`'s engine finished a request, sent at `since` (monotonic), that filled new
+        blocks: their events must have come since, or must come."""
+        feed = self.feeds.get(name)
+        if feed is not None and feed.expected_since is None and feed.heard_at < since:
+            feed.expected_since = time.monotonic()
+
+    def restart_stale(self, stale_s: float = STALE_S) -> list[str]:
+        """Resync every feed that stayed silent past `stale_s` while an event was due (a
+        publisher restarted under the same endpoint, a connection that silently broke): a
+        view nobody updates would otherwise steer routing on a cache that is gone."""
+        now, restarted = time.monotonic(), []
+        for name, feed in self.feeds.items():
+            if feed.expected_since is not None and now - feed.expected_since > stale_s:
+                log.warning("KV events of %s silent for %.0f s after requests that stored "
+                            "blocks; resyncing", name, now - feed.expected_since)
+                feed.stale += 1
+                feed.expected_since = None
+                feed.stop()
+                feed.start()
+                restarted.append(name)
+        return restarted
 
 
 class EventFeed:
@@ -118,6 +147,12 @@ class EventFeed:
         """Highest sequence number received (a resync must reach at least this)."""
         self.resyncs = 0
         self.batches = 0
+        self.stale = 0
+        """Times this feed was found silent while events were due, and resynced."""
+        self.expected_since: float | None = None
+        """Since when an event has been due (KVFeeds.expect); None: none is."""
+        self.heard_at = float("-inf")
+        """When the last batch (or snapshot) arrived (monotonic)."""
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -167,6 +202,7 @@ class EventFeed:
         self.sink.reset(snap)
         self.last_seq = snap.seq
         self.resyncs += 1
+        self.expected_since, self.heard_at = None, time.monotonic()
         while True:
             parts = await sock.recv_multipart()
             if len(parts) != 3:
@@ -182,3 +218,4 @@ class EventFeed:
             apply_batch(dec.decode(parts[2]), self.sink)
             self.last_seq = seq
             self.batches += 1
+            self.expected_since, self.heard_at = None, time.monotonic()

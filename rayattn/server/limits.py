@@ -48,6 +48,16 @@ def check(kind: str, data: dict[str, Any], limits: RequestLimits) -> None:
                           f"{limits.max_prompts}")
 
 
+def engine_requests(kind: str, data: dict[str, Any]) -> int:
+    """How many engine requests a (checked) request asks for: admission counts this, not 1."""
+    n = data.get("n")
+    n = n if isinstance(n, int) and n > 0 else 1
+    prompt = data.get("prompt")
+    prompts = (len(prompt) if kind == "completion" and isinstance(prompt, list) and prompt
+               and not isinstance(prompt[0], int) else 1)
+    return n * prompts
+
+
 def check_session(header: str, value: str | None, limits: RequestLimits) -> None:
     """The conversation id is kept per router (affinity, admission): bounded in size."""
     if value is not None and len(value.encode()) > limits.max_session_id_bytes:

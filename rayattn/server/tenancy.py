@@ -56,6 +56,14 @@ class Keys:
         return found
 
 
+def key_id(key: str | None) -> str:
+    """The name a key's requests are counted under (fair shares, rates); "" where no key is
+    configured. A digest: these names may be shown, the keys not."""
+    if key is None:
+        return ""
+    return hashlib.sha256(b"rayattn key id\0" + key.encode()).hexdigest()[:12]
+
+
 def cache_salt(isolation: str, key: str | None, given: Any, keys_configured: bool) -> Any:
     """The `cache_salt` a request runs under: the client's own (`given`, left for vLLM to
     validate when it is not a string), prefixed per API key where isolation is per key.

@@ -40,7 +40,8 @@ def test_amplifying_fields_are_refused_with_the_limit_named(server, field, extra
 
 def test_within_the_limits_the_same_fields_are_served(server):
     r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={
-        **CHAT, "n": 2, "stop": ["\n\n", "###"], "logit_bias": {"42": -1}})
+        **CHAT, "temperature": 1.0, "n": 2, "stop": ["\n\n", "###"],
+        "logit_bias": {"42": -1}})  # vLLM takes n > 1 only when sampling
     assert r.status_code == 200, r.text
     assert len(r.json()["choices"]) == 2
 
@@ -63,3 +64,60 @@ def test_no_route_listing(server, path):
 def _engine_requests(server: str) -> int:
     """Requests the router has sent to engines (its own count, /health)."""
     return httpx.get(f"{server}/health", timeout=30).json()["counts"]["sent"]
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def _proxy_pid() -> int:
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        if any("ProxyActor" in part for part in p.info["cmdline"] or []):
+            return p.pid
+    raise AssertionError("no Serve proxy process")
+
+
+def test_a_huge_chunked_upload_is_refused_before_it_is_read(server):
+    """Issue 25, item 5: the router read the whole body before checking max_body_bytes, so
+    a chunked upload (no Content-Length) grew its memory without limit. Now the limit is
+    checked while reading: 413 after a few MiB of a 1 GiB upload, and neither the router
+    nor Serve's proxy grows by more than a small multiple of the limit."""
+    import select
+    import socket
+    from urllib.parse import urlparse
+
+    router_pid = httpx.get(f"{server}/health", timeout=30).json()["router_pid"]
+    pids = {"router": router_pid, "proxy": _proxy_pid()}
+    before = {k: _rss(p) for k, p in pids.items()}
+    url = urlparse(server)
+    sock = socket.create_connection((url.hostname, url.port), timeout=30)
+    sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunk = b"[" * (1 << 20)
+    framed = f"{len(chunk):x}\r\n".encode() + chunk + b"\r\n"
+    sent, answer = 0, b""
+    try:
+        while sent < (1 << 30):
+            if select.select([sock], [], [], 0)[0]:
+                break  # the router answered before the body ended
+            sock.sendall(framed)
+            sent += len(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # closed on us after the answer
+    sock.settimeout(30)
+    try:
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+    finally:
+        sock.close()
+    assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+    assert sent < 256 << 20, f"{sent >> 20} MiB were read before the refusal"
+    grown = {k: (_rss(p) - before[k]) >> 20 for k, p in pids.items()}
+    assert all(g < 64 for g in grown.values()), grown

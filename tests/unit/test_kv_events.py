@@ -263,3 +263,38 @@ def test_only_admitted_routers_read_the_events(publisher):
     for sock in (plain, stranger, router):
         sock.close()
     ctx.term()
+
+
+def test_a_feed_silent_while_events_are_due_is_resynced(publisher):
+    """Issue 25, item 9: a feed that stops delivering (a broken connection, a publisher
+    gone) left the router's view stale with no signal. Now a request that filled new
+    blocks makes events due; a feed silent past the limit counts as stale and resyncs."""
+    pub, mirror = publisher
+
+    async def scenario() -> None:
+        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+        assert core.joined("e0", 16, 100)
+        feeds = KVFeeds(core)
+        feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
+        feed = feeds.feeds["e0"]
+        await _until(lambda: feed.resyncs == 1)
+        _send(pub, _stored([1]))
+        await _until(lambda: feed.batches == 1)
+        # Sent before the last batch arrived: its blocks' events came, nothing is due.
+        feeds.expect("e0", since=feed.heard_at - 1)
+        assert feed.expected_since is None
+        assert feeds.restart_stale(stale_s=0.0) == []
+        # Sent after it, and no event since: due; silent past the limit, resynced.
+        feeds.expect("e0", since=time.monotonic())
+        assert feeds.restart_stale(stale_s=60) == []
+        await asyncio.sleep(0.05)
+        assert feeds.restart_stale(stale_s=0.01) == ["e0"]
+        await _until(lambda: feed.resyncs == 2)
+        assert feeds.stats("e0")["stale"] == 1 and feed.expected_since is None
+        # An event arriving in time clears what was due.
+        feeds.expect("e0", since=time.monotonic())
+        _send(pub, _stored([2]))
+        await _until(lambda: feed.expected_since is None)
+        feed.stop()
+
+    asyncio.run(scenario())

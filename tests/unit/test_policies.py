@@ -288,8 +288,8 @@ def test_the_newest_load_report_wins_whatever_order_reports_arrive_in():
 
 
 def test_admission_is_exact():
-    from rayattn.server.dispatch import Admission
     from rayattn.server.errors import APIError
+    from rayattn.server.tenant_limits import Admission
 
     adm = Admission(3)
     slots = [adm.acquire() for _ in range(3)]
@@ -370,3 +370,26 @@ def test_new_conversations_fill_engines_sharing_a_gpu_evenly():
         pol.on_dispatch(d.replica, r)
         load.acquire(d.replica, r.prompt_tokens)
     assert load.inflight["r0"] == load.inflight["r1"] == 64
+
+
+def test_the_ray_prefix_text_tree_stays_bounded_and_keeps_what_is_used():
+    """Issue 25, item 9: the ray_prefix tree grew with every distinct prompt. Now it evicts
+    least recently used text past its limit, as Ray's does."""
+    from rayattn.routing.text_tree import TextPrefixTree
+
+    tree = TextPrefixTree(max_chars=10_000, target_chars=8_000)
+    hot = "You are the assistant everyone keeps asking. " * 4
+    for i in range(2_000):
+        tree.insert(f"cold prompt {i}: " + "x" * 50, "a")
+        tree.insert(hot + f"question {i % 3}", "b")
+        assert tree.chars <= 10_000
+    assert tree.longest_match(hot + "question 1", {"a", "b"}) == (len(hot) + 10, {"b"})
+    assert tree.longest_match("cold prompt 5: " + "x" * 50, {"a"})[0] < 20  # long gone
+    # The count is the edges' true size.
+    size, stack = 0, [tree.root]
+    while stack:
+        n = stack.pop()
+        for label, child in n.children.values():
+            size += len(label)
+            stack.append(child)
+    assert size == tree.chars

@@ -73,7 +73,8 @@ def test_serving_objects_without_the_renderer_hook_render_everything():
 
 
 def test_stream_chunks_coarsen_with_the_streams_in_flight():
-    from rayattn.server.dispatch import Admission, Dispatcher
+    from rayattn.server.dispatch import Dispatcher
+    from rayattn.server.tenant_limits import Admission
 
     rc = RouterConfig(stream_interval_ms=20, stream_messages_per_s=1000)
     d = SimpleNamespace(cfg=SimpleNamespace(router=rc), admission=Admission(1000))
