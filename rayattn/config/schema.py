@@ -332,8 +332,8 @@ class RouterConfig(_Strict):
     503 and goes nowhere else: one poisonous prompt must not take down every engine in
     turn."""
     quarantine_after: int = Field(2, ge=0)
-    """Engine failures a prompt may be in flight at (any kind, retried or not) before this
-    router refuses it with 422 for `quarantine_s`; 0 never refuses."""
+    """Engines that may crash while running a prompt (one key's; copies on one engine count
+    once) before this router refuses it with 422 for `quarantine_s`; 0 never refuses."""
     quarantine_s: float = Field(600.0, gt=0)
     """How long a prompt stays refused once quarantined."""
     max_inflight: PositiveInt = 256

@@ -169,11 +169,10 @@ class KVMirror:
         return len(self._keys)
 
     def close(self) -> None:
+        """Stop following and relaying: the mirror's thread closes its sockets itself
+        (ZMQ sockets belong to one thread) as it ends."""
         self._stop.set()
-        self._thread.join(timeout=2)
-        self._relay.close()
-        self._auth.stop()
-        self._ctx.term()
+        self._thread.join(timeout=10)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
@@ -202,6 +201,9 @@ class KVMirror:
                 # One bad batch must not end the mirror: routers resync from it.
                 log.exception("KV mirror: event batch skipped")
         sub.close()
+        self._relay.close()
+        self._auth.stop()
+        ctx.term()
 
     def _replay(self, ctx, start: int, upto: int, dec) -> None:
         import zmq

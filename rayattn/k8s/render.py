@@ -105,10 +105,12 @@ def _volumes(shm_gib: int) -> list[dict]:
 
 
 def serve_config_for_pod(serve_config: dict) -> dict:
-    """The Serve config as the pods run it: HTTP on every interface of the head, routers
-    pinned to the head (the one pod with the API keys)."""
+    """The Serve config as the pods run it: HTTP on every interface of the head, and only
+    there, routers pinned to the head (the one pod with the API keys)."""
     sc = copy.deepcopy(serve_config)
     sc["http_options"] = {**sc.get("http_options", {}), "host": "0.0.0.0", "port": SERVE_PORT}
+    # HTTP only where the NetworkPolicies open it and the routers run.
+    sc["proxy_location"] = "HeadOnly"
     for app in sc.get("applications", []):
         if str(app.get("import_path", "")).startswith("rayattn."):
             serve = app.setdefault("args", {}).setdefault("serve", {})
@@ -239,8 +241,9 @@ def network_policies(name: str) -> list[dict]:
         # The dashboard / job API only from the KubeRay operator (it deploys the Serve
         # config through it).
         policy("ray-operator", head, {
+            # The label both of KubeRay's installs (Helm chart, kustomize) put on it.
             "from": [{"namespaceSelector": {}, "podSelector": {"matchLabels": {
-                "app.kubernetes.io/name": "kuberay-operator"}}}],
+                "app.kubernetes.io/component": "kuberay-operator"}}}],
             "ports": [{"port": DASHBOARD_PORT, "protocol": "TCP"}]}),
         # Metrics only from Prometheus's namespace (the PodMonitors of monitoring()).
         policy("metrics", pods, {

@@ -150,6 +150,7 @@ class Dispatcher:
                                 r.info.max_num_seqs, r.info.host_kv_gib > 0):
             return False
         self.feeds.join(r.name, r.info.kv_events, r.info.kv_events_key, r.handle)
+        self.fair.wake_all()  # room on the new replica
         return True
 
     def _left(self, r: Replica) -> None:
@@ -175,6 +176,7 @@ class Dispatcher:
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.admission.limit = rc.max_inflight
         self.rates.rate, self.fair.key_cap = rc.key_requests_per_s, rc.key_max_inflight
+        self.fair.wake_all()
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
         if self.core.reconfigure(rc.model_dump()):
             self._refeed()
@@ -252,7 +254,7 @@ class Dispatcher:
         non-streaming response needs anyway). Otherwise EngineFailure propagates."""
         tried: set[str] = set()
         ticket = self.fair.ticket()
-        prompt = fingerprint(route, self.core.block_size)
+        prompt = fingerprint(route, self.core.block_size, tenant)
         if held_s := self.quarantine.refused_for(prompt):
             self.counts["quarantined"] += 1
             self._reject(422)
@@ -303,13 +305,11 @@ class Dispatcher:
                     self.fleet.dead(d.replica, e)
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
-                    if kind != "never_ran":
-                        self.quarantine.failed(prompt)
                     if kind == "engine_crashed":
                         self.counts["engine_crashes"] += 1
+                        self.quarantine.failed(prompt, d.replica)
                     if (delivered or attempt == self.cfg.router.max_retries
-                            or kind == "engine_crashed"
-                            or self.quarantine.refused_for(prompt)):
+                            or kind == "engine_crashed"):
                         self.record_failure(e)
                         raise EngineFailure(d.replica, e, delivered,
                                             retryable=kind != "engine_crashed") from e
@@ -331,6 +331,7 @@ class Dispatcher:
         serve.max_ongoing_requests; waits here, in the router, while all are at the cap or
         the request's key at its own, and takes its turn fairly among keys (FairQueue)."""
         cap = self.cfg.serve.max_ongoing_requests
+        woken = False
         while True:
             live = self.live()
             if not live and self.fleet.members and time.monotonic() < wait_until:
@@ -345,7 +346,9 @@ class Dispatcher:
             open_ = [r for r in fresh if self.core.load.local.get(r, 0) < cap]
             if open_ and self.fair.may_go(*turn):
                 return open_
-            await self.fair.wait(*turn)
+            if woken:
+                self.fair.pass_turn()  # the freed slot was not one this request could take
+            woken = await self.fair.wait(*turn, holds=not tried)
 
     async def _kv_admitted(self, route: RouteRequest, tried: set[str],
                            wait_until: float, turn: tuple[str, int]) -> list[str]:

@@ -224,7 +224,7 @@ class Ingress:
                 await items.aclose()
                 return _passthrough(first, decision, account)
             return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
-                           media_type="text/event-stream",
+                           items, media_type="text/event-stream",
                            headers=_replica_header(decision, account))
         return await self._complete(oreq, route, arrived, slot, account, tenant)
 
@@ -363,17 +363,20 @@ class Ingress:
 
 
 class _Stream(StreamingResponse):
-    """A streaming response that gives its admission slot back however it ends: finished,
-    client gone, or never started (Starlette does not close a generator it never ran)."""
+    """A streaming response that gives its admission slot and its engine call back however
+    it ends: finished, client gone, or never started (Starlette does not close a generator
+    it never ran, and the engine call would hold its slot until garbage collection)."""
 
-    def __init__(self, content: AsyncIterator[str], slot: Slot, **kw: Any) -> None:
+    def __init__(self, content: AsyncIterator[str], slot: Slot, upstream: Any,
+                 **kw: Any) -> None:
         super().__init__(content, **kw)
-        self._slot = slot
+        self._slot, self._upstream = slot, upstream
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
+            await self._upstream.aclose()
             self._slot.release()
 
 

@@ -31,7 +31,9 @@ class Admission:
     def acquire(self, key: str = "", weight: int = 1) -> Slot:
         if self.inflight + weight > self.limit:
             keys = len(self.by_key) + (key not in self.by_key)
-            if self.by_key[key] + weight > self.limit / keys:
+            # Never past twice the limit, however many keys arrive.
+            if (self.by_key[key] + weight > self.limit / keys
+                    or self.inflight + weight > 2 * self.limit):
                 raise APIError(429, f"router at its admission limit ({self.limit} engine "
                                     "requests in flight, router.max_inflight); retry later",
                                retry_after=1)
@@ -94,7 +96,8 @@ class FairQueue:
     def __init__(self, key_cap: int | None = None) -> None:
         self.key_cap = key_cap
         self.dispatched: Counter[str] = Counter()
-        self._waiting: dict[int, tuple[str, asyncio.Future[None]]] = {}
+        self._waiting: dict[int, tuple[str, asyncio.Future[None], bool]] = {}
+        """Ticket -> (key, wake-up, whether it holds its place against newcomers)."""
         self._seq = itertools.count()
 
     def ticket(self) -> int:
@@ -107,19 +110,35 @@ class FairQueue:
         if self.key_cap is not None and self.dispatched[key] >= self.key_cap:
             return False
         mine = (self.dispatched[key], ticket)
-        return all(mine <= (self.dispatched[k], t) for t, (k, _) in self._waiting.items()
-                   if t != ticket and self._eligible(k))
+        return all(mine <= (self.dispatched[k], t) for t, (k, _, holds) in
+                   self._waiting.items() if holds and t != ticket and self._eligible(k))
 
-    async def wait(self, key: str, ticket: int) -> None:
-        """Until a slot is freed for this request (or the re-check interval passes)."""
+    async def wait(self, key: str, ticket: int, holds: bool = True) -> bool:
+        """Until a slot is freed for this request (True) or the re-check interval passes.
+        `holds`: whether newcomers must wait behind it. A retry does not hold: it may wait
+        for a replica it has not tried yet while another replica sits free. A request that
+        was woken and did not take the slot passes the turn on (`pass_turn`)."""
         wake: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiting[ticket] = (key, wake)
+        self._waiting[ticket] = (key, wake, holds)
         try:
-            await asyncio.wait_for(wake, RECHECK_S)
+            await asyncio.wait_for(asyncio.shield(wake), RECHECK_S)
+            return True
         except TimeoutError:
-            pass
+            return False
         finally:
             self._waiting.pop(ticket, None)
+            if wake.done() and asyncio.current_task().cancelling():
+                self._wake_next()  # woken, then cancelled: the slot is someone else's
+
+    def pass_turn(self) -> None:
+        """A woken request could not use the freed slot: the next in line may."""
+        self._wake_next()
+
+    def wake_all(self) -> None:
+        """Capacity changed (a replica joined, a cap was raised): everyone looks again."""
+        for _, wake, _ in self._waiting.values():
+            if not wake.done():
+                wake.set_result(None)
 
     def left(self, ticket: int) -> None:
         self._waiting.pop(ticket, None)
@@ -137,7 +156,7 @@ class FairQueue:
         return self.key_cap is None or self.dispatched[key] < self.key_cap
 
     def _wake_next(self) -> None:
-        best = min(((self.dispatched[k], t, w) for t, (k, w) in self._waiting.items()
+        best = min(((self.dispatched[k], t, w) for t, (k, w, _) in self._waiting.items()
                     if self._eligible(k) and not w.done()), default=None,
                    key=lambda x: (x[0], x[1]))
         if best is not None:

@@ -16,18 +16,28 @@ CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "Say hi."}]}
 
 
+def _router(name: str, args: dict, env: dict[str, str], engines):
+    """A router deployment as rayattn.app builds one (its Serve options: no Serve queue in
+    front of it, the hash seed), under another name, with `env` in its processes."""
+    from rayattn.app import Router, router_options
+    from rayattn.config.loader import parse_args
+
+    opts = router_options(parse_args(args))
+    actor = opts["ray_actor_options"]
+    actor["runtime_env"]["env_vars"].update(env)
+    opts.pop("user_config")  # the router settings come with args here
+    return Router.options(**{**opts, "name": name}).bind(args, engines)
+
+
 @pytest.fixture(scope="module")
 def keyed(server):
     """A second router on the same engines whose keys come from its environment."""
     from ray import serve
 
-    from rayattn.app import Router
-
     args = local_args()
     args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
-    env = {"runtime_env": {"env_vars": {"TEST_API_KEYS": "key-one, key-two"}}}
-    serve.run(Router.options(name="router-keyed", ray_actor_options=env).bind(args, engines),
+    serve.run(_router("router-keyed", args, {"TEST_API_KEYS": "key-one, key-two"}, engines),
               name="keyed", route_prefix="/keyed", blocking=False)
     url = f"{server}/keyed"
     # /health is open, so readiness needs no key.
@@ -145,15 +155,12 @@ def shared_by_two_keys(server):
     """A router on the shared engines with a per-key cap on the engines (issue 25, item 7)."""
     from ray import serve
 
-    from rayattn.app import Router
-
     args = local_args()
     args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "max_inflight": 512,
                       "key_max_inflight": 8}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
-    env = {"runtime_env": {"env_vars": {"TEST_API_KEYS": "greedy-key, light-key"}}}
-    serve.run(Router.options(name="router-fair", ray_actor_options=env).bind(args, engines),
-              name="fair", route_prefix="/fair", blocking=False)
+    serve.run(_router("router-fair", args, {"TEST_API_KEYS": "greedy-key, light-key"},
+                      engines), name="fair", route_prefix="/fair", blocking=False)
     url = f"{server}/fair"
     wait_healthy(url)
     yield url

@@ -157,7 +157,8 @@ def test_manifests_expose_only_the_api_and_keep_keys_off_engine_pods(rendered, n
                   for port in rule.get("ports", [])}
     assert open_ports == {("openai", 8000), ("ray-operator", 8265), ("metrics", 8080)}
     assert by_name["ray-operator"]["ingress"][0]["from"][0]["podSelector"] == {
-        "matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}
+        "matchLabels": {"app.kubernetes.io/component": "kuberay-operator"}}
+    assert yaml.safe_load(svc["spec"]["serveConfigV2"])["proxy_location"] == "HeadOnly"
     internal = by_name["ray-internal"]["ingress"][0]
     assert "ports" not in internal and internal["from"] == [
         {"podSelector": {"matchLabels": {"app.kubernetes.io/instance": instance}}}]

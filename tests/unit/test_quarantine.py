@@ -40,30 +40,37 @@ def test_fingerprint_tells_prompts_apart_by_any_token(core):
     assert fingerprint(core.request(base + [7]), BS) != same
 
 
-def test_a_prompt_is_refused_after_the_nth_failure_for_the_hold_time():
+def test_a_prompt_is_refused_after_crashing_n_engines_for_the_hold_time():
     clock = Clock()
     q = Quarantine(after=2, hold_s=60, clock=clock)
-    assert q.failed(1) == 1 and q.refused_for(1) == 0  # an innocent bystander, once
-    assert q.failed(1) == 2 and q.refused_for(1) == pytest.approx(60)
+    assert q.failed(1, "e0") == 1 and q.refused_for(1) == 0  # an innocent bystander, once
+    # Two copies on the engine that crashed are one crash, not two.
+    assert q.failed(1, "e0") == 1 and q.refused_for(1) == 0
+    assert q.failed(1, "e1") == 2 and q.refused_for(1) == pytest.approx(60)
     assert q.refused_for(2) == 0
     clock.now += 59
     assert q.refused_for(1) == pytest.approx(1)
     clock.now += 2
     assert q.refused_for(1) == 0
     # A quarantine served in full starts the count again.
-    assert q.failed(1) == 1 and q.refused_for(1) == 0
+    assert q.failed(1, "e2") == 1 and q.refused_for(1) == 0
 
 
 def test_zero_never_refuses_and_memory_is_bounded():
     q = Quarantine(after=0, hold_s=60)
-    for _ in range(5):
-        q.failed(9)
+    for e in range(5):
+        q.failed(9, f"e{e}")
     assert q.refused_for(9) == 0
     q = Quarantine(after=1, hold_s=60)
     for p in range(CAPACITY + 100):
-        q.failed(p)
+        q.failed(p, "e0")
     assert len(q) == CAPACITY
     assert q.refused_for(0) == 0 and q.refused_for(CAPACITY + 99) > 0  # oldest forgotten
+
+
+def test_one_tenant_cannot_get_anothers_prompt_refused(core):
+    short = core.request([5, 6, 7])  # shorter than a block: nothing salted in its keys
+    assert fingerprint(short, BS, "tenant-a") != fingerprint(short, BS, "tenant-b")
 
 
 def test_failures_are_classed_by_whether_the_request_can_be_their_cause():

@@ -26,6 +26,19 @@ def test_a_key_under_its_share_is_admitted_past_the_router_limit():
     assert adm.inflight == 0 and not adm.by_key
 
 
+def test_shares_never_take_the_router_past_twice_its_limit():
+    # Keys arriving one after another, each taking all its share allows: without the
+    # ceiling the total grows as the limit times the harmonic number of the keys.
+    adm = Admission(100)
+    for k in range(10):
+        try:
+            while True:
+                adm.acquire(f"key-{k}")
+        except APIError:
+            pass
+    assert 100 < adm.inflight <= 200
+
+
 def test_admission_counts_the_engine_requests_a_request_asks_for():
     from rayattn.server.limits import engine_requests
 
