@@ -157,7 +157,7 @@ def shared_by_two_keys(server):
 
     args = local_args()
     args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "max_inflight": 512,
-                      "key_max_inflight": 8}
+                      "key_max_inflight": 4}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
     serve.run(_router("router-fair", args, {"TEST_API_KEYS": "greedy-key, light-key"},
                       engines), name="fair", route_prefix="/fair", blocking=False)
@@ -206,10 +206,10 @@ def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):
         limits = httpx.Limits(max_connections=400, max_keepalive_connections=400)
         async with httpx.AsyncClient(timeout=300, limits=limits) as c:
             await ttft(c, -1)  # warm
-            idle = [await ttft(c, i) for i in range(10)]
+            idle = [await ttft(c, i) for i in range(20)]
             hogs = [asyncio.create_task(hog(c, i)) for i in range(200)]
             await asyncio.sleep(8)  # the greedy streams are running and queued
-            busy = [await ttft(c, 100 + i) for i in range(10)]
+            busy = [await ttft(c, 100 + i) for i in range(20)]
             for h in hogs:
                 h.cancel()
             await asyncio.gather(*hogs, return_exceptions=True)

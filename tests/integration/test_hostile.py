@@ -5,6 +5,9 @@ are closed."""
 
 from __future__ import annotations
 
+import os
+import time
+
 import httpx
 import pytest
 
@@ -121,3 +124,99 @@ def test_a_huge_chunked_upload_is_refused_before_it_is_read(server):
     assert sent < 256 << 20, f"{sent >> 20} MiB were read before the refusal"
     grown = {k: (_rss(p) - before[k]) >> 20 for k, p in pids.items()}
     assert all(g < 64 for g in grown.values()), grown
+
+
+_PROBE = r"""
+import sys, time, zmq
+endpoint, server_key, admitted_pub, admitted_sec = sys.argv[1:5]
+ctx = zmq.Context()
+def sub(keys):
+    s = ctx.socket(zmq.SUB)
+    s.setsockopt(zmq.SUBSCRIBE, b"")
+    if keys:
+        s.curve_serverkey = server_key.encode()
+        s.curve_publickey, s.curve_secretkey = keys
+    s.connect(endpoint)
+    return s
+socks = {"plain": sub(None), "stranger": sub(zmq.curve_keypair()),
+         "admitted": sub((admitted_pub.encode(), admitted_sec.encode()))}
+got = dict.fromkeys(socks, 0)
+deadline = time.time() + float(sys.argv[5])
+while time.time() < deadline:
+    for name, s in socks.items():
+        while s.poll(5):
+            s.recv_multipart()
+            got[name] += 1
+print(got)
+"""
+
+
+def _engines(server: str) -> dict:
+    return httpx.get(f"{server}/health", timeout=30).json()["engines"]
+
+
+def test_kv_events_cannot_be_read_from_another_network_namespace(server, tmp_path):
+    """Issue 25, item 1, from another host's point of view: a network namespace of its own,
+    joined to this machine by a veth pair, reaches the engine's event relay (an admitted key
+    reads its batches through it), while a plain subscriber and one with a key of its own
+    read nothing. Before, vLLM's publisher bound tcp://* and anyone reaching it read every
+    tenant's token ids."""
+    import asyncio
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("needs root and iproute2 to make a network namespace")
+    from ray import serve
+
+    from rayattn.engine.kv_mirror import CurveKeys
+    from rayattn.server.pinning import PinnedHandle
+
+    replica = sorted(_engines(server))[0]
+    handle = PinnedHandle(serve.get_deployment_handle("engine", app_name="rayattn"), replica)
+    keys = CurveKeys.new()
+
+    async def engine_side():
+        info = await handle.info.remote()
+        await handle.kv_subscribe.remote(keys.public.decode())
+        return info
+
+    info = asyncio.run(engine_side())
+    assert info.kv_events and info.kv_events_key
+    host = info.kv_events.removeprefix("tcp://").rsplit(":", 1)[0]
+    assert host not in ("*", "0.0.0.0")
+    ns, here, there = "rayattn-probe", "ra-host0", "ra-ns0"
+    sh = lambda *cmd: subprocess.run(cmd, check=True, capture_output=True)  # noqa: E731
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    subprocess.run(["ip", "link", "del", here], capture_output=True)
+    try:
+        sh("ip", "netns", "add", ns)
+        sh("ip", "link", "add", here, "type", "veth", "peer", "name", there)
+        sh("ip", "link", "set", there, "netns", ns)
+        sh("ip", "addr", "add", "10.231.0.1/30", "dev", here)
+        sh("ip", "link", "set", here, "up")
+        sh("ip", "netns", "exec", ns, "ip", "addr", "add", "10.231.0.2/30", "dev", there)
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", there, "up")
+        sh("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")
+        sh("ip", "netns", "exec", ns, "ip", "route", "add", "default", "via", "10.231.0.1")
+        script = tmp_path / "probe.py"
+        script.write_text(_PROBE)
+        probe = subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, str(script), info.kv_events,
+             info.kv_events_key, keys.public.decode(), keys.secret.decode(), "12"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        time.sleep(3)  # connected (and refused) before the traffic starts
+        for i in range(8):  # new prompts: the engines store new blocks and publish them
+            httpx.post(f"{server}/v1/completions", timeout=120, json={
+                "model": "smollm2", "max_tokens": 2,
+                "prompt": f"netns probe {i} {time.time()}: " + "words " * 80})
+        out, err = probe.communicate(timeout=60)
+        got = json.loads(out.strip().splitlines()[-1].replace("'", '"'))
+        print(f"\nbatches read from another network namespace: {got}")
+        assert got["admitted"] > 0, (got, err[-500:])  # the namespace reaches the relay
+        assert got["plain"] == 0 and got["stranger"] == 0, got
+    finally:
+        subprocess.run(["ip", "link", "del", here], capture_output=True)
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
