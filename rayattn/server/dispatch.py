@@ -258,9 +258,9 @@ class Dispatcher:
         if held_s := self.quarantine.refused_for(prompt):
             self.counts["quarantined"] += 1
             self._reject(422)
-            raise APIError(422, "this prompt was being served each time engines failed "
-                                f"({self.cfg.router.quarantine_after} times); refused for "
-                                f"{held_s:.0f} s more (router.quarantine_after)",
+            raise APIError(422, "engines crashed while running this prompt "
+                                f"({self.cfg.router.quarantine_after} of them); it is refused "
+                                f"for {held_s:.0f} s more (router.quarantine_after)",
                            param="messages" if req.kind == "chat" else "prompt",
                            code="request_quarantined")
         self.counts["sent"] += 1
