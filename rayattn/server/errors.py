@@ -8,7 +8,8 @@ from pydantic import ValidationError
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "timeout",
           413: "invalid_request_error", 422: "invalid_request_error",
-          429: "rate_limit_error", 503: "service_unavailable", 504: "timeout"}
+          429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
+          504: "timeout"}
 
 
 class APIError(Exception):

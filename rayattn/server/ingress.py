@@ -150,11 +150,8 @@ class Ingress:
             out = await renderer.render(kind, body)
         except compat.client_error_types() as e:  # vLLM's: prompt too long, bad template…
             raise client_error(e, "messages" if kind == "chat" else "prompt") from None
-        except Exception as e:  # rendering depends only on the request and fixed settings
-            log.warning("rendering failed: %r", e)
-            raise APIError(400, f"the prompt could not be rendered: {type(e).__name__}: "
-                                f"{str(e)[:300]}", param="messages" if kind == "chat"
-                           else "prompt") from None
+        except Exception as e:
+            raise render_failure(e, "messages" if kind == "chat" else "prompt") from None
         if not isinstance(out, Rendered):
             raise error_response(out)
         if not out.token_ids:
@@ -378,6 +375,20 @@ class _Stream(StreamingResponse):
         finally:
             await self._upstream.aclose()
             self._slot.release()
+
+
+def render_failure(e: Exception, param: str) -> APIError:
+    """What a rendering error is for the client. The errors malformed messages raise inside
+    the chat template and vLLM's parsers are the client's (400); anything else is the
+    router's own failure (500), named by type only: its message may describe internals."""
+    from jinja2 import TemplateError
+
+    if isinstance(e, (ValueError, TypeError, LookupError, AttributeError, RecursionError,
+                      TemplateError)):
+        return APIError(400, f"the prompt could not be rendered: {type(e).__name__}: "
+                             f"{str(e)[:300]}", param=param)
+    log.exception("rendering failed")
+    return APIError(500, f"internal error while rendering the prompt ({type(e).__name__})")
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -220,3 +220,32 @@ def test_kv_events_cannot_be_read_from_another_network_namespace(server, tmp_pat
     finally:
         subprocess.run(["ip", "link", "del", here], capture_output=True)
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def test_a_body_sent_too_slowly_is_refused_with_408(server):
+    """Issue 25, item 5: a client trickling its body held the router without limit."""
+    import socket
+    from urllib.parse import urlparse
+
+    r = httpx.post(f"{server}/admin/reset", timeout=60, json={"settings": {"body_timeout_s": 2}})
+    assert r.status_code == 200, r.text
+    try:
+        url = urlparse(server)
+        sock = socket.create_connection((url.hostname, url.port), timeout=30)
+        t0 = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            data = sock.recv(65536)
+            if not data:
+                break
+            answer += data
+        took = time.monotonic() - t0
+        sock.close()
+        assert answer.startswith(b"HTTP/1.1 408"), answer[:200]
+        assert 1.5 < took < 20, took
+    finally:
+        r = httpx.post(f"{server}/admin/reset", timeout=60,
+                       json={"settings": {"body_timeout_s": 30}})
+        assert r.status_code == 200, r.text

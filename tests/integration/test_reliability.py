@@ -266,6 +266,9 @@ def test_a_request_that_crashes_its_engine_reaches_no_second_engine(server):
     assert "victim" in box
     assert r.status_code == 503, r.text
     assert r.json()["error"]["code"] == "engine_crashed", r.text
+    # The operator's details (Ray actor ids, addresses, pids) stay in the router's log.
+    message = r.json()["error"]["message"]
+    assert not any(s in message for s in ("actor", "pid=", "ip=", "192.", "127.0")), message
     counts = {k: health(server)["counts"][k] - counts0[k] for k in counts0}
     # Sent once, never retried, counted as an engine crash.
     assert counts["sent"] == 1 and counts["retried"] == 0, counts

@@ -48,3 +48,18 @@ def test_session_id_length():
     with pytest.raises(APIError) as e:
         check_session("x-session-id", "123456789", L)
     assert e.value.param == "x-session-id"
+
+
+def test_a_render_failure_is_the_clients_only_when_its_input_caused_it():
+    """Issue 25, item 8: every rendering failure came back as 400 with its message, also
+    the router's own (a missing file, a bug), which is a 500 naming only its type."""
+    from jinja2 import TemplateError
+
+    from rayattn.server.ingress import render_failure
+
+    for e in (ValueError("bad role"), TypeError("content"), KeyError("x"),
+              TemplateError("unknown tag")):
+        err = render_failure(e, "messages")
+        assert err.status == 400 and err.param == "messages", e
+    err = render_failure(OSError("/secret/path/tokenizer.json missing"), "messages")
+    assert err.status == 500 and "/secret" not in err.message and "OSError" in err.message
