@@ -220,8 +220,13 @@ def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
                    wait_for_applications_running=False)
     deadline = time.time() + 120
     while time.time() < deadline:
-        r = httpx.post(f"{server}/empty/v1/chat/completions", timeout=30,
-                       json={"model": MODEL, "messages": _msgs()})
+        try:
+            r = httpx.post(f"{server}/empty/v1/chat/completions", timeout=30,
+                           json={"model": MODEL, "messages": _msgs()})
+        except httpx.TimeoutException:
+            # Serve's proxy holds the request while the router replica is still starting
+            # (tens of seconds on a loaded 2-core machine): ask again.
+            continue
         if r.status_code != 404:  # the route exists once the app is up
             break
         time.sleep(1)
