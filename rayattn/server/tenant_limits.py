@@ -140,9 +140,6 @@ class FairQueue:
             if not wake.done():
                 wake.set_result(None)
 
-    def left(self, ticket: int) -> None:
-        self._waiting.pop(ticket, None)
-
     def started(self, key: str) -> None:
         self.dispatched[key] += 1
 
