@@ -26,6 +26,9 @@ from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
 log = logging.getLogger("rayattn.engine")
 
 
+TOPIC = "kv"
+"""The topic vLLM publishes the engine's events under, and the relay too."""
+
 HWM = 10_000
 """Event batches a socket queues at most. A reader that falls further behind loses batches
 and resyncs (a gap in the sequence numbers), instead of growing without bound."""
@@ -222,7 +225,7 @@ class KVMirror:
                 with self._lock:
                     apply_batch(dec.decode(frames[3]), self)
                     self._seq = seq
-                self._relay.send_multipart((b"kv", frames[2], frames[3]))
+                self._relay.send_multipart((TOPIC.encode(), frames[2], frames[3]))
                 got += 1
         req.close()
         if got < upto - start:

@@ -67,14 +67,19 @@ class EngineReplica:
             # before the engine publishes anything) is what they resync from.
             from vllm.config import KVEventsConfig
 
-            from rayattn.engine.kv_mirror import KVMirror, node_ip, private_ipc_endpoints
+            from rayattn.engine.kv_mirror import (
+                TOPIC,
+                KVMirror,
+                node_ip,
+                private_ipc_endpoints,
+            )
 
             # vLLM's sockets carry every tenant's token ids: IPC, in a private directory;
             # routers read the mirror's authenticated relay instead (kv_mirror.py).
             ipc_dir, pub, replay = private_ipc_endpoints()
             kwargs["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
-                replay_endpoint=replay, topic="kv")
+                replay_endpoint=replay, topic=TOPIC)
             self.kv_mirror = KVMirror(pub, replay, node_ip(), ipc_dir)
             kv_endpoint = self.kv_mirror.endpoint
         t0 = time.monotonic()

@@ -9,6 +9,7 @@ tenant sent.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import hmac
 import os
@@ -59,9 +60,14 @@ class Keys:
 def key_id(key: str | None) -> str:
     """The name a key's requests are counted under (fair shares, rates); "" where no key is
     configured. A digest: these names may be shown, the keys not."""
-    if key is None:
-        return ""
-    return hashlib.sha256(b"rayattn key id\0" + key.encode()).hexdigest()[:12]
+    return "" if key is None else _digest("key id", key)[:12]
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(purpose: str, key: str) -> str:
+    """A one-way digest of `key` for one purpose (names differ per purpose, so one cannot
+    be matched against another); cached, as every request needs it."""
+    return hashlib.sha256(f"rayattn {purpose}\0{key}".encode()).hexdigest()
 
 
 def cache_salt(isolation: str, key: str | None, given: Any, keys_configured: bool) -> Any:
@@ -72,7 +78,7 @@ def cache_salt(isolation: str, key: str | None, given: Any, keys_configured: boo
     per_key = isolation == "per_key" or (isolation == "auto" and keys_configured)
     if not per_key or key is None:
         return given
-    tenant = hashlib.sha256(b"rayattn cache namespace\0" + key.encode()).hexdigest()[:32]
+    tenant = _digest("cache namespace", key)[:32]
     if isinstance(given, str) and given:
         return f"{tenant}:{given}"
     return tenant
