@@ -61,6 +61,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import httpx
     from transformers import AutoTokenizer
 
+    from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
     from rayattn.bench.report import write_run
     from rayattn.bench.workloads import (
         agent_loop,
@@ -71,6 +72,16 @@ def cmd_bench(a: argparse.Namespace) -> int:
         shared_prefix,
     )
     from rayattn.models.embedded import resolve_embedded
+
+    # Checked before anything starts: a typo must not cost the rayattn half of the run.
+    peers = [x for x in (a.peer or "").split(",") if x]
+    for peer in peers:
+        if peer not in PEERS:
+            raise SystemExit(f"--peer: unknown peer {peer!r} (one of {', '.join(PEERS)})")
+    for pol in a.ray_llm_policies.split(","):
+        if "ray-serve-llm" in peers and pol not in RAY_LLM_POLICIES:
+            raise SystemExit(f"--ray-llm-policies: unknown policy {pol!r} "
+                             f"(one of {', '.join(RAY_LLM_POLICIES)})")
 
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
                                              seed=a.seed),
@@ -124,11 +135,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
             run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
                        on_n_routers, a.concurrency, a.block_size, tok, a.runs, a.rate, table,
                        raw, a.think_s)
-        if a.target is None and a.peer:
+        if a.target is None and peers:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
-    if a.peer:
-        run_peer(a, workloads, tok, table, raw)
-        add_ratios(table)
+    for peer in peers:
+        PEERS[peer](a, workloads, tok, table, raw)
+    if peers:
+        add_ratios(table, tuple(peers))
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
     return 0
@@ -244,6 +256,36 @@ def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict
         stack.stop()
 
 
+def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
+                     raw: dict) -> None:
+    import yaml
+
+    from rayattn.bench.ray_llm_peer import RayServeLLMStack
+    from rayattn.config.loader import rayattn_apps
+    from rayattn.config.plan import build_plan
+
+    _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
+    stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port)
+    try:
+        stack.start()
+
+        def prepare(policy: str) -> None:
+            took = stack.deploy(policy)
+            if took:
+                print(f"Ray Serve LLM ({policy}) up in {took:.1f}s")
+            stack.reset_caches()
+
+        run_matrix("ray-serve-llm", stack.url, a.model, workloads,
+                   a.ray_llm_policies.split(","), prepare, a.concurrency, a.block_size, tok,
+                   a.runs, a.rate, table, raw, a.think_s)
+    finally:
+        stack.stop()
+
+
+# The rivals `--peer` can start, each on the deployment's engine settings.
+PEERS = {"vllm-router": run_peer, "ray-serve-llm": run_ray_llm_peer}
+
+
 def score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
     """A run's summary, its hit rate against the trace's oracle, later turns' TTFT."""
     from rayattn.bench.driver import oracle, summarize
@@ -296,11 +338,11 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
             table.setdefault(wname, {})[f"{label} {pol}"] = row
 
 
-def add_ratios(table: dict, peer_label: str = "vllm-router") -> None:
-    """Each row's wall time, TTFT p90 and throughput as ratios to the peer's best policy
-    (lowest median wall time) on the same workload in the same run."""
+def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> None:
+    """Each row's wall time, TTFT p90 and throughput as ratios to the best peer policy
+    (lowest median wall time, over every peer) on the same workload in the same run."""
     for rows in table.values():
-        peers = {k: v for k, v in rows.items() if k.startswith(peer_label)}
+        peers = {k: v for k, v in rows.items() if k.startswith(peer_labels)}
         if not peers:
             continue
         best_name, best = min(peers.items(), key=lambda kv: kv[1]["wall_s"])
@@ -395,10 +437,14 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                                    "(default: leave the router's index as it is)")
     b.add_argument("--ingress", help="router replica counts to compare, e.g. 1,4 (local "
                                      "deployment only; policies switch through user_config)")
-    b.add_argument("--peer", choices=["vllm-router"],
-                   help="also run vllm-router in front of `vllm serve` engines with the same "
-                        "engine settings, after rayattn, in the same run")
-    b.add_argument("--peer-policies", default="cache_aware,sticky_least_loaded")
+    b.add_argument("--peer", help="rivals to run after rayattn in the same run, on the same "
+                                  "engine settings: vllm-router (in front of `vllm serve` "
+                                  "engines), ray-serve-llm (Ray Serve LLM's OpenAI app); "
+                                  "comma-separated")
+    b.add_argument("--peer-policies", default="cache_aware,sticky_least_loaded",
+                   help="vllm-router policies (also: consistent_hash, power_of_two, ...)")
+    b.add_argument("--ray-llm-policies", default="prefix_cache_affinity",
+                   help="Ray Serve LLM routers: prefix_cache_affinity, power_of_two")
     b.add_argument("--peer-port", type=int, default=8200)
     b.add_argument("--runs", type=int, default=1, help="repetitions of every policy")
     b.add_argument("--shared-systems", type=int, default=2)

@@ -26,3 +26,28 @@ def test_serve_flags_round_trip_through_vllms_parser():
         got = getattr(parsed, k)
         assert got == v or (isinstance(v, list) and list(got) == v), (k, got, v)
     assert parsed.dtype == "float32" and parsed.block_size == 32
+
+
+def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
+    """Ray Serve LLM splits engine_kwargs between vLLM's engine and frontend arguments and
+    rejects unknown ones: what its engines start with must be the deployment's settings."""
+    from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
+
+    from rayattn.bench.ray_llm_peer import RayServeLLMStack
+
+    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+    stack = RayServeLLMStack(plan, "smollm2", 8200)
+    cfg = stack.llm_config("prefix_cache_affinity")
+    engine = VLLMEngineConfig.from_llm_config(cfg)
+    started = engine.get_initialization_kwargs()
+    for k, v in plan.engine_kwargs.items():
+        if k not in ("model", "disable_log_stats"):
+            assert started[k] == v, (k, started[k], v)
+    assert started["model"] == plan.engine_kwargs["model"]
+    # Without it the peer's responses carry no cached tokens and its hit rate reads 0.
+    assert engine.frontend_kwargs["enable_prompt_tokens_details"] is True
+    router = cfg.deployment_config["request_router_config"]["request_router_class"]
+    assert router.endswith("PrefixCacheAffinityRouter")
+    assert "request_router_config" not in stack.llm_config("power_of_two").deployment_config
+    assert set(plan.env.items()) <= set(engine.runtime_env["env_vars"].items())

@@ -1,0 +1,128 @@
+"""The other rival on the same engines: Ray Serve LLM's own OpenAI app (`ray.serve.llm`)
+with one of its request routers, as a user of Ray Serve would deploy it.
+
+Policies:
+  * `prefix_cache_affinity`: `PrefixCacheAffinityRouter` (a character-level prefix tree of
+    the messages' text, shared by the ingress replicas; its defaults, as a user gets them);
+  * `power_of_two`: Serve's default router (queue lengths only).
+
+`KVAwareRouter` is not offered: it runs only in Ray Serve LLM's direct-streaming mode
+behind Serve's HAProxy ingress (`RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`,
+`RAY_SERVE_ENABLE_HA_PROXY`, the request body forwarded to the ingress router), and its
+selection service comes from `ai-dynamo-runtime`, whose pin (`pydantic<=2.13.5`) conflicts
+with the pydantic Ray 2.60 and vLLM 0.32 run with here; under the plain OpenAI app it
+silently picks replicas at random. Running it as that would measure a random router.
+
+The engines get the deployment's exact engine settings (the same `engine_kwargs` and
+environment as rayattn's and the `vllm serve` peer's).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rayattn.config.plan import Plan
+
+RAY_LLM_POLICIES = {
+    "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    "power_of_two": None,
+}
+_APP = "ray-serve-llm"
+
+
+class RayServeLLMStack:
+    """One Ray Serve LLM app at a time on a Ray cluster this object starts and ends."""
+
+    def __init__(self, plan: Plan, model_id: str, port: int) -> None:
+        self.plan, self.model_id, self.port = plan, model_id, port
+        self.url = f"http://127.0.0.1:{port}"
+        self.policy: str | None = None
+
+    def start(self) -> None:
+        import ray
+        from ray import serve
+
+        # Logical CPUs: each engine replica's bundle holds its actor and its engine, the
+        # ingress and the prefix-tree actor need one each; the cores are the same two.
+        ray.init(num_cpus=8, include_dashboard=False)
+        serve.start(http_options={"host": "127.0.0.1", "port": self.port})
+
+    def llm_config(self, policy: str) -> Any:
+        """Ray Serve LLM's config for the deployment's engines behind `policy`'s router."""
+        from ray.serve.llm import LLMConfig
+
+        deployment: dict[str, Any] = {"num_replicas": self.plan.replicas}
+        if RAY_LLM_POLICIES[policy]:
+            deployment["request_router_config"] = {
+                "request_router_class": RAY_LLM_POLICIES[policy]}
+        return LLMConfig(
+            model_loading_config={"model_id": self.model_id,
+                                  "model_source": self.plan.engine_kwargs["model"]},
+            engine_kwargs=self.engine_kwargs(),
+            deployment_config=deployment,
+            # CPU bundles: without a placement config Ray Serve LLM asks for a GPU.
+            placement_group_config={"bundles": [{"CPU": 1}]},
+            runtime_env={"env_vars": dict(self.plan.env)},
+        )
+
+    def deploy(self, policy: str, timeout: float = 900) -> float:
+        """(Re)deploy with `policy`'s router; returns the seconds until it answers."""
+        import httpx
+        from ray import serve
+        from ray.serve.llm import build_openai_app
+
+        if policy == self.policy:
+            return 0.0
+        t0 = time.time()
+        if self.policy:
+            serve.delete(_APP, _blocking=True)
+        app = build_openai_app({"llm_configs": [self.llm_config(policy)],
+                                "ingress_deployment_config":
+                                {"ray_actor_options": {"num_cpus": 0}}})
+        serve.run(app, name=_APP, route_prefix="/", blocking=False)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            try:
+                r = httpx.post(f"{self.url}/v1/chat/completions", timeout=60, json={
+                    "model": self.model_id, "max_tokens": 1,
+                    "messages": [{"role": "user", "content": "ready?"}]})
+                if r.status_code == 200:
+                    self.policy = policy
+                    return time.time() - t0
+            except httpx.HTTPError:
+                pass
+            time.sleep(2)
+        raise TimeoutError(f"Ray Serve LLM app not answering in {timeout}s")
+
+    def engine_kwargs(self) -> dict[str, Any]:
+        kw = {k: v for k, v in self.plan.engine_kwargs.items()
+              if k not in ("model", "served_model_name", "disable_log_stats")}
+        # Without it vLLM's OpenAI layer reports no cached tokens, and the hit rate reads 0.
+        kw["enable_prompt_tokens_details"] = True
+        return kw
+
+    def reset_caches(self) -> None:
+        """Empty every engine's prefix cache and the router's prefix tree (cold runs)."""
+        import ray
+        from ray import serve
+
+        # Ray LLM's own broadcast helper (experimental): a handle call reaches one replica.
+        from ray.llm._internal.serve.utils.broadcast import broadcast
+
+        name = "LLMServer:" + self.model_id.replace("/", "--").replace(".", "_")
+        broadcast(serve.get_deployment_handle(name, app_name=_APP), "reset_prefix_cache")
+        if self.policy == "prefix_cache_affinity":
+            tree = ray.get_actor("LlmPrefixTreeActor", namespace=f"serve::{_APP}::{name}")
+            tenants = list(ray.get(tree.getattr.remote("tenant_to_char_count")))
+            ray.get(tree.remove_tenants.remote(tenants))
+            ray.get(tree.add_tenants.remote(tenants, time.time()))
+
+    def stop(self) -> None:
+        import ray
+        from ray import serve
+
+        if ray.is_initialized():
+            serve.shutdown()
+            ray.shutdown()
+        self.policy = None
