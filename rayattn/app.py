@@ -61,8 +61,7 @@ def engine_options(plan: Plan) -> dict[str, Any]:
     runtime_env = dict(actor.pop("runtime_env", {}) or {})
     runtime_env["env_vars"] = {**plan.env, **runtime_env.get("env_vars", {})}
     actor["runtime_env"] = runtime_env
-    routers = (cfg.serve.ingress_autoscaling or {}).get("max_replicas",
-                                                         cfg.serve.ingress_replicas)
+    routers = cfg.serve.max_routers
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
     if cfg.serve.engine_autoscaling is not None:
         scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}

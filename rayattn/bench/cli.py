@@ -138,7 +138,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
         if a.target is None and peers:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
     for peer in peers:
-        PEERS[peer](a, workloads, tok, table, raw)
+        try:
+            PEERS[peer](a, workloads, tok, table, raw)
+        except Exception:  # one rival failing must not lose the others' runs
+            import traceback
+
+            traceback.print_exc()
+            print(f"peer {peer} failed: its rows are missing from the table")
     if peers:
         add_ratios(table, tuple(peers))
     write_run(Path(a.out), table, raw)

@@ -440,6 +440,11 @@ class ServeSettings(_Strict):
     rendezvous tie-breaking on the prefix hash (see docs)."""
     ingress_autoscaling: dict[str, Any] | None = None
     """Ray Serve autoscaling_config for the ingress."""
+
+    @property
+    def max_routers(self) -> int:
+        """The most router replicas this deployment may run at once."""
+        return int((self.ingress_autoscaling or {}).get("max_replicas", self.ingress_replicas))
     router_loop: Literal["main", "separate"] = "main"
     """Where the router's code runs in its replica. `main`: on the replica's own event loop
     (no thread hand-off per request and per streamed chunk; the fastest hop while the

@@ -6,7 +6,7 @@ from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          408: "timeout",
+          408: "timeout", 409: "invalid_request_error",
           413: "invalid_request_error", 422: "invalid_request_error",
           429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable",
           504: "timeout"}

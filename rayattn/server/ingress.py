@@ -302,7 +302,16 @@ class Ingress:
                 {**current, **settings,
                  **{k: data[k] for k in ("policy", "index") if data.get(k)}})
             wanted = want.model_dump()
-            if {**wanted, "policy": now.policy} != current:
+            changes = {**wanted, "policy": now.policy} != current
+            if (changes or want.policy != now.policy) and self.cfg.serve.max_routers > 1:
+                # One request reaches one router replica: the others would keep routing
+                # with the old settings, and a comparison of policies would mix them.
+                raise APIError(409, f"this deployment runs up to "
+                               f"{self.cfg.serve.max_routers} router replicas and "
+                               "/admin/reset reaches one: change router settings through "
+                               "the Serve config's user_config (every replica applies "
+                               "it), then reset without them", param="policy")
+            if changes:
                 # Same path as a live router setting: a new index resyncs from the engines.
                 self.apply_router_config(wanted)
             policy = await d.reset(want.policy)

@@ -68,6 +68,38 @@ def test_api_keys_401_without_and_200_with(keyed):
     assert r.status_code == 401 and "admin" in r.json()["error"]["message"]
 
 
+def test_admin_reset_refuses_a_switch_that_would_reach_one_router_of_several(server):
+    """A request reaches one router replica: where the deployment may run several, a policy
+    switched through /admin/reset would leave the others on the old one (a benchmark would
+    compare a mix). It is refused with what to do instead; a plain reset still works."""
+    from ray import serve
+
+    args = local_args()
+    args["router"] = {**args["router"], "admin_api": True}
+    args["serve"] = {**args.get("serve", {}),
+                     "ingress_autoscaling": {"min_replicas": 1, "max_replicas": 2}}
+    engines = serve.get_deployment_handle("engine", app_name="rayattn")
+    serve.run(_router("router-scaled", args, {}, engines), name="scaled",
+              route_prefix="/scaled", blocking=False)
+    url = f"{server}/scaled"
+    try:
+        wait_healthy(url)
+        before = httpx.post(f"{url}/admin/reset", json={}, timeout=60)
+        assert before.status_code == 200, before.text
+        other = "round_robin" if before.json()["policy"] != "round_robin" else "affinity"
+        for body in ({"policy": other}, {"settings": {"policy": other}},
+                     {"index": "predicted"}):
+            r = httpx.post(f"{url}/admin/reset", json=body, timeout=60)
+            assert r.status_code == 409, (body, r.text)
+            err = r.json()["error"]
+            assert "user_config" in err["message"] and "2 router replicas" in err["message"]
+        after = httpx.post(f"{url}/admin/reset", json={}, timeout=60)
+        assert after.json()["policy"] == before.json()["policy"]
+        assert after.json()["index"] == before.json()["index"]
+    finally:
+        serve.delete("scaled")
+
+
 def test_tenants_see_neither_the_routers_account_nor_healths_details(keyed, server):
     """Where another tenant's prompt is cached (predicted hits, route reason, replicas'
     load) is an oracle on that prompt: only callers that could open the admin API see it.
