@@ -26,7 +26,7 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
-    ray.init(num_cpus=4, include_dashboard=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
     serve_config = yaml.safe_load(Path(config).read_text())
@@ -74,12 +74,12 @@ def cmd_bench(a: argparse.Namespace) -> int:
     from rayattn.models.embedded import resolve_embedded
 
     # Checked before anything starts: a typo must not cost the rayattn half of the run.
-    peers = [x for x in (a.peer or "").split(",") if x]
+    peers = list(dict.fromkeys(x for x in (a.peer or "").split(",") if x))
     for peer in peers:
         if peer not in PEERS:
             raise SystemExit(f"--peer: unknown peer {peer!r} (one of {', '.join(PEERS)})")
-    for pol in a.ray_llm_policies.split(","):
-        if "ray-serve-llm" in peers and pol not in RAY_LLM_POLICIES:
+    for pol in a.ray_llm_policies.split(",") if "ray-serve-llm" in peers else []:
+        if pol not in RAY_LLM_POLICIES:
             raise SystemExit(f"--ray-llm-policies: unknown policy {pol!r} "
                              f"(one of {', '.join(RAY_LLM_POLICIES)})")
 
@@ -137,6 +137,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
                        raw, a.think_s)
         if a.target is None and peers:
             stop_local()  # the peer gets the machine to itself, as rayattn had it
+    failed = []
     for peer in peers:
         try:
             PEERS[peer](a, workloads, tok, table, raw)
@@ -144,12 +145,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
             import traceback
 
             traceback.print_exc()
+            failed.append(peer)
             print(f"peer {peer} failed: its rows are missing from the table")
     if peers:
         add_ratios(table, tuple(peers))
     write_run(Path(a.out), table, raw)
     print((Path(a.out) / "policies.md").read_text())
-    return 0
+    return 1 if failed else 0
 
 
 def write_engine_model(a: argparse.Namespace, url: str, raw: dict, workloads: dict,
@@ -346,18 +348,23 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
 
 def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> None:
     """Each row's wall time, TTFT p90 and throughput as ratios to the best peer policy
-    (lowest median wall time, over every peer) on the same workload in the same run."""
+    (lowest median wall time, over every peer whose runs all answered) on the same workload
+    in the same run. A peer that lost requests finishes early: it is never the baseline."""
+    def ratio(x: float, y: float) -> float:
+        return x / y if y else float("nan")
+
     for rows in table.values():
-        peers = {k: v for k, v in rows.items() if k.startswith(peer_labels)}
+        peers = {k: v for k, v in rows.items() if k.startswith(peer_labels)
+                 and v.get("ok") == v.get("requests")}
         if not peers:
             continue
         best_name, best = min(peers.items(), key=lambda kv: kv[1]["wall_s"])
         for r in rows.values():
             r["vs_peer"] = best_name
-            r["wall_ratio"] = r["wall_s"] / best["wall_s"]
-            r["ttft_p90_ratio"] = r["ttft_p90_s"] / best["ttft_p90_s"]
-            r["later_ttft_p90_ratio"] = r["later_ttft_p90_s"] / best["later_ttft_p90_s"]
-            r["throughput_ratio"] = r["output_tok_per_s"] / best["output_tok_per_s"]
+            r["wall_ratio"] = ratio(r["wall_s"], best["wall_s"])
+            r["ttft_p90_ratio"] = ratio(r["ttft_p90_s"], best["ttft_p90_s"])
+            r["later_ttft_p90_ratio"] = ratio(r["later_ttft_p90_s"], best["later_ttft_p90_s"])
+            r["throughput_ratio"] = ratio(r["output_tok_per_s"], best["output_tok_per_s"])
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:

@@ -20,9 +20,12 @@ environment as rayattn's and the `vllm serve` peer's).
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rayattn.config.plan import Plan
+
+if TYPE_CHECKING:
+    from ray.serve.llm import LLMConfig
 
 RAY_LLM_POLICIES = {
     "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
@@ -35,6 +38,10 @@ class RayServeLLMStack:
     """One Ray Serve LLM app at a time on a Ray cluster this object starts and ends."""
 
     def __init__(self, plan: Plan, model_id: str, port: int) -> None:
+        if plan.config.engine.kv_offload.enabled:
+            # Its reset (LLMServer.reset_prefix_cache) leaves a host tier warm between runs.
+            raise SystemExit("--peer ray-serve-llm: not with engine.kv_offload (Ray Serve "
+                             "LLM's cache reset keeps the host tier; runs would not be cold)")
         self.plan, self.model_id, self.port = plan, model_id, port
         self.url = f"http://127.0.0.1:{port}"
         self.policy: str | None = None
@@ -45,10 +52,11 @@ class RayServeLLMStack:
 
         # Logical CPUs: each engine replica's bundle holds its actor and its engine, the
         # ingress and the prefix-tree actor need one each; the cores are the same two.
-        ray.init(num_cpus=8, include_dashboard=False)
+        # A cluster of its own ("local"), never one this machine happens to run.
+        ray.init(address="local", num_cpus=8, include_dashboard=False)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
-    def llm_config(self, policy: str) -> Any:
+    def llm_config(self, policy: str) -> LLMConfig:
         """Ray Serve LLM's config for the deployment's engines behind `policy`'s router."""
         from ray.serve.llm import LLMConfig
 
@@ -59,10 +67,12 @@ class RayServeLLMStack:
         return LLMConfig(
             model_loading_config={"model_id": self.model_id,
                                   "model_source": self.plan.engine_kwargs["model"]},
-            engine_kwargs=self.engine_kwargs(),
+            engine_kwargs=self.llm_engine_kwargs(),
             deployment_config=deployment,
-            # CPU bundles: without a placement config Ray Serve LLM asks for a GPU.
-            placement_group_config={"bundles": [{"CPU": 1}]},
+            # The deployment's own bundles: without a placement config Ray Serve LLM asks
+            # for a GPU, also on CPU.
+            placement_group_config={"bundles": self.plan.bundles,
+                                    "strategy": self.plan.strategy},
             runtime_env={"env_vars": dict(self.plan.env)},
         )
 
@@ -90,12 +100,14 @@ class RayServeLLMStack:
                 if r.status_code == 200:
                     self.policy = policy
                     return time.time() - t0
+                if r.status_code in (400, 404, 422):  # up, but refusing what we send
+                    raise RuntimeError(f"Ray Serve LLM answered {r.status_code}: {r.text}")
             except httpx.HTTPError:
                 pass
             time.sleep(2)
         raise TimeoutError(f"Ray Serve LLM app not answering in {timeout}s")
 
-    def engine_kwargs(self) -> dict[str, Any]:
+    def llm_engine_kwargs(self) -> dict[str, Any]:
         kw = {k: v for k, v in self.plan.engine_kwargs.items()
               if k not in ("model", "served_model_name", "disable_log_stats")}
         # Without it vLLM's OpenAI layer reports no cached tokens, and the hit rate reads 0.
@@ -123,6 +135,8 @@ class RayServeLLMStack:
         from ray import serve
 
         if ray.is_initialized():
-            serve.shutdown()
-            ray.shutdown()
+            try:
+                serve.shutdown()
+            finally:
+                ray.shutdown()
         self.policy = None

@@ -440,11 +440,6 @@ class ServeSettings(_Strict):
     rendezvous tie-breaking on the prefix hash (see docs)."""
     ingress_autoscaling: dict[str, Any] | None = None
     """Ray Serve autoscaling_config for the ingress."""
-
-    @property
-    def max_routers(self) -> int:
-        """The most router replicas this deployment may run at once."""
-        return int((self.ingress_autoscaling or {}).get("max_replicas", self.ingress_replicas))
     router_loop: Literal["main", "separate"] = "main"
     """Where the router's code runs in its replica. `main`: on the replica's own event loop
     (no thread hand-off per request and per streamed chunk; the fastest hop while the
@@ -477,6 +472,14 @@ class ServeSettings(_Strict):
     """Serve's access log line for every call to a router or engine replica (each generation,
     each probe). Off by default: on a loaded router the log writes cost CPU on the request
     path; rayattn's own metrics and warnings are logged either way."""
+
+    @property
+    def max_routers(self) -> int:
+        """The most router replicas this deployment may run at once (as configured here;
+        Serve's autoscaling defaults to at most 1)."""
+        if self.ingress_autoscaling is not None:
+            return int(self.ingress_autoscaling.get("max_replicas", 1))
+        return self.ingress_replicas
 
 
 class RayAttnConfig(_Strict):

@@ -303,14 +303,15 @@ class Ingress:
                  **{k: data[k] for k in ("policy", "index") if data.get(k)}})
             wanted = want.model_dump()
             changes = {**wanted, "policy": now.policy} != current
-            if (changes or want.policy != now.policy) and self.cfg.serve.max_routers > 1:
+            changed = [k for k in wanted if wanted[k] != current.get(k)]
+            if changed and self.cfg.serve.max_routers > 1:
                 # One request reaches one router replica: the others would keep routing
                 # with the old settings, and a comparison of policies would mix them.
                 raise APIError(409, f"this deployment runs up to "
                                f"{self.cfg.serve.max_routers} router replicas and "
                                "/admin/reset reaches one: change router settings through "
                                "the Serve config's user_config (every replica applies "
-                               "it), then reset without them", param="policy")
+                               "it), then reset without them", param=changed[0])
             if changes:
                 # Same path as a live router setting: a new index resyncs from the engines.
                 self.apply_router_config(wanted)

@@ -51,3 +51,22 @@ def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
     assert router.endswith("PrefixCacheAffinityRouter")
     assert "request_router_config" not in stack.llm_config("power_of_two").deployment_config
     assert set(plan.env.items()) <= set(engine.runtime_env["env_vars"].items())
+
+
+def test_ratios_are_against_the_best_peer_that_answered_everything():
+    """A rival that lost requests finishes early and reports no throughput: it must never
+    become the baseline every other row is divided by."""
+    from rayattn.bench.cli import add_ratios
+
+    def row(wall: float, tok_s: float, ok: int) -> dict:
+        return {"wall_s": wall, "ttft_p90_s": 2.0, "later_ttft_p90_s": 1.0,
+                "output_tok_per_s": tok_s, "ok": ok, "requests": 64}
+
+    table = {"doc_chat": {"rayattn affinity": row(40.0, 50.0, 64),
+                          "vllm-router sticky_least_loaded": row(50.0, 40.0, 64),
+                          "ray-serve-llm prefix_cache_affinity": row(60.0, 30.0, 64),
+                          "vllm-router consistent_hash": row(5.0, 0.0, 0)}}
+    add_ratios(table, ("vllm-router", "ray-serve-llm"))
+    ours = table["doc_chat"]["rayattn affinity"]
+    assert ours["vs_peer"] == "vllm-router sticky_least_loaded"
+    assert ours["wall_ratio"] == 0.8 and ours["throughput_ratio"] == 1.25
