@@ -10,7 +10,7 @@ Policies:
 behind Serve's HAProxy ingress (`RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`,
 `RAY_SERVE_ENABLE_HA_PROXY`, the request body forwarded to the ingress router), and its
 selection service comes from `ai-dynamo-runtime`, whose pin (`pydantic<=2.13.5`) conflicts
-with the pydantic Ray 2.60 and vLLM 0.32 run with here; under the plain OpenAI app it
+with the pydantic (2.14) this environment runs; under the plain OpenAI app it
 silently picks replicas at random. Running it as that would measure a random router.
 
 The engines get the deployment's exact engine settings (the same `engine_kwargs` and
