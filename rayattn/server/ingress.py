@@ -302,7 +302,6 @@ class Ingress:
                 {**current, **settings,
                  **{k: data[k] for k in ("policy", "index") if data.get(k)}})
             wanted = want.model_dump()
-            changes = {**wanted, "policy": now.policy} != current
             changed = [k for k in wanted if wanted[k] != current.get(k)]
             if changed and self.cfg.serve.max_routers > 1:
                 # One request reaches one router replica: the others would keep routing
@@ -312,7 +311,7 @@ class Ingress:
                                "/admin/reset reaches one: change router settings through "
                                "the Serve config's user_config (every replica applies "
                                "it), then reset without them", param=changed[0])
-            if changes:
+            if any(k != "policy" for k in changed):
                 # Same path as a live router setting: a new index resyncs from the engines.
                 self.apply_router_config(wanted)
             policy = await d.reset(want.policy)
