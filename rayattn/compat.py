@@ -537,17 +537,30 @@ def config_objects(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 @functools.lru_cache(maxsize=1024)
-def cache_salt_extra_keys(salt: str) -> tuple[Any, ...] | None:
-    """The extra keys vLLM hashes into a prompt's first block under `cache_salt`, from
-    vLLM's own function (their form changed across versions: the bare salt, then a
-    ("cache_salt", salt) pair)."""
+def block_extra_keys(salt: str | None, adapter: tuple[str, str] | None,
+                     first: bool) -> tuple[Any, ...] | None:
+    """The extra keys vLLM hashes into a prompt's block beside its tokens: the `cache_salt`
+    into the first block only, a LoRA adapter into every block. From vLLM's own function:
+    their form changed across versions (the bare salt, then a ("cache_salt", salt) pair;
+    the adapter's name, then ("lora", name, path))."""
     from types import SimpleNamespace
 
+    from vllm.lora.request import LoRARequest
     from vllm.v1.core import kv_cache_utils
 
-    # Everything but the salt empty: no adapter, no images, no prompt embeddings.
-    stand_in = SimpleNamespace(lora_request=None, mm_features=[], mm_positions=[],
+    # No images, no prompt embeddings. The adapter's int id is per engine process (vLLM
+    # numbers adapters as it loads them) and is not hashed.
+    lora = LoRARequest(adapter[0], 1, adapter[1]) if adapter else None
+    stand_in = SimpleNamespace(lora_request=lora, mm_features=[], mm_positions=[],
                                mm_hashes=[], cache_salt=salt, prompt_embeds=None,
                                _prompt_embeds_per_block_hashes={})
-    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(stand_in, 0, 1, 0)
+    start = 0 if first else 1 << 20  # past the first block, whatever the block size
+    keys, _ = kv_cache_utils.generate_block_hash_extra_keys(stand_in, start, start + 1, 0)
     return keys
+
+
+def lora_modules(adapters: dict[str, str], base: str) -> list[Any]:
+    """vLLM's static LoRA modules (`vllm serve --lora-modules`) for the serving layer."""
+    cls = _first_attr(("vllm.entrypoints.openai.models.protocol",
+                       "vllm.entrypoints.openai.serving_models"), "LoRAModulePath")
+    return [cls(name=n, path=p, base_model_name=base) for n, p in adapters.items()]

@@ -158,7 +158,10 @@ def reset(server):
 def pytest_collection_modifyitems(config, items):
     # Disruptive tests kill replicas of the shared deployment: run them last, then the few
     # that need what they leave behind (retry/failure counters).
+    # Tests on an application of their own replace the shared one: after everything else.
     def order(it) -> int:
+        if it.get_closest_marker("own_app"):
+            return 3
         if it.get_closest_marker("after_disruptive"):
             return 2
         return 1 if it.get_closest_marker("disruptive") else 0

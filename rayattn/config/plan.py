@@ -44,6 +44,9 @@ class Plan:
     replicas: int
     """Engine replicas at start (the autoscaling minimum when the engines autoscale)."""
     notes: list[str] = field(default_factory=list)
+    adapters: dict[str, str] = field(default_factory=dict)
+    """LoRA adapters by served name: the path (or id) engines load each from. vLLM hashes
+    name and path into every block of an adapter's requests, so routers hash with these."""
 
     @property
     def replica_range(self) -> tuple[int, int]:
@@ -113,6 +116,11 @@ class Plan:
             f"placement:  {self.strategy} {self.bundles} per replica",
             "env:        " + ", ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
         ]
+        lora = c.model.lora
+        if lora.enabled:
+            lines.append(f"lora:       {', '.join(f'{n} <- {p}' for n, p in self.adapters.items())}"
+                         f"; {lora.max_loras} per batch, {lora.cached} loaded per engine, "
+                         f"rank <= {lora.max_lora_rank}")
         lines += [f"note:       {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -312,7 +320,20 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
                      "update stops it before its replacement serves (set the surge to 100 "
                      "if a spare replica's devices exist)")
     return Plan(cfg, arch, spec, reason, block_size, env, kwargs, bundles, strategy,
-                replicas, notes)
+                replicas, notes, adapter_paths(cfg, prepare_model))
+
+
+def adapter_paths(cfg: RayAttnConfig, prepare_model: bool) -> dict[str, str]:
+    from rayattn.models.lora import resolve_adapter
+
+    adapters = cfg.model.lora.adapters
+    if not adapters:
+        return {}
+    base = local_model_dir(cfg.model.source, prepare=prepare_model)
+    try:
+        return {a.name: resolve_adapter(a.source, base, prepare_model) for a in adapters}
+    except ValueError as e:
+        raise PlanError([f"model.lora.adapters: {e}"]) from None
 
 
 def default_block_size(platform: str, spec: backends.BackendSpec) -> int:
@@ -373,6 +394,9 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
     )
     if par.all2all_backend:
         kw["all2all_backend"] = par.all2all_backend
+    if m.lora.enabled:
+        kw.update(enable_lora=True, max_loras=m.lora.max_loras,
+                  max_cpu_loras=m.lora.max_cpu_loras, max_lora_rank=m.lora.max_lora_rank)
     if e.kv_offload.enabled:
         kw["kv_offloading_size"] = e.kv_offload.size_gib
         kw["kv_offloading_backend"] = e.kv_offload.backend

@@ -76,6 +76,48 @@ class ArchitectureOverride(_Strict):
     """Attention layers (num_hidden_layers); lets `rayattn check` print KV tokens per GiB."""
 
 
+class LoRAAdapter(_Strict):
+    name: str = Field(min_length=1, max_length=128)
+    """What clients put in `model` to use it (listed by /v1/models with the base as parent)."""
+    source: str
+    """A PEFT LoRA adapter: a directory (adapter_config.json + adapter_model.safetensors),
+    the same path on every node, or `rayattn://random-lora/<seed>`: random weights the
+    project makes for the base model at start-up (tests, the local multi-model demo)."""
+
+
+class LoRAConfig(_Strict):
+    """LoRA adapters on the base model, served by vLLM's own LoRA support in every engine."""
+
+    adapters: list[LoRAAdapter] = Field(default_factory=list)
+    """Loaded at engine start (vLLM's --lora-modules); none: LoRA off."""
+    max_loras: PositiveInt = 1
+    """Adapters one engine batch can run at once (vLLM's max_loras): requests for another
+    adapter wait until a slot frees, so the router prefers engines that already run it."""
+    max_cpu_loras: PositiveInt | None = None
+    """Adapters an engine keeps loaded in host memory (vLLM's LRU; default max_loras): a
+    request for one that is not there loads it from disk first."""
+    max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 16
+    """The largest adapter rank (vLLM preallocates for it; a larger adapter is refused)."""
+
+    @model_validator(mode="after")
+    def _distinct(self) -> LoRAConfig:
+        names = [a.name for a in self.adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"model.lora.adapters: names must be distinct, got {names}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError("model.lora.max_cpu_loras must be at least max_loras")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.adapters)
+
+    @property
+    def cached(self) -> int:
+        """Adapters an engine holds loaded."""
+        return self.max_cpu_loras or self.max_loras
+
+
 class ModelConfig(_Strict):
     source: str
     """Where weights come from: a Hugging Face id (`deepseek-ai/DeepSeek-R1-0528`), a local
@@ -104,6 +146,19 @@ class ModelConfig(_Strict):
     chat_template: str | None = None
     """A Jinja chat template (a file path, or the template itself) replacing the model's
     own, as `vllm serve --chat-template`; engines and routers render with the same one."""
+    lora: LoRAConfig = Field(default_factory=LoRAConfig)
+    """LoRA adapters served on this model, each under its own `model` name."""
+
+    @model_validator(mode="after")
+    def _adapter_names_free(self) -> ModelConfig:
+        if self.name in {a.name for a in self.lora.adapters}:
+            raise ValueError(f"model.lora.adapters: {self.name!r} is the base model's name")
+        return self
+
+    @property
+    def served_names(self) -> list[str]:
+        """Every `model` value this model answers to: the base, then its adapters."""
+        return [self.name, *(a.name for a in self.lora.adapters)]
 
     @property
     def name(self) -> str:

@@ -34,11 +34,13 @@ _rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Con
 
 class OpenAILayer:
     def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
-                 report: Callable[[], dict[str, Any]]) -> None:
+                 report: Callable[[], dict[str, Any]], args: Any = None) -> None:
         self.chat = state.openai_serving_chat
         self.completion = state.openai_serving_completion
         self.models = state.openai_serving_models
         self.identity, self.metrics, self.report = identity, metrics, report
+        # LoRA adapters by served name (vLLM's static lora_modules): labels in the metrics.
+        self.adapters = {m.name for m in getattr(args, "lora_modules", None) or ()}
         # Render once: the router has rendered the prompt already (its block hashes come
         # from it), and rendering a long chat again here costs this process's event loop and
         # GIL, which also stream every running request's tokens.
@@ -50,7 +52,7 @@ class OpenAILayer:
                      report: Callable[[], dict[str, Any]]) -> OpenAILayer:
         args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
         state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
-        return cls(state, identity, metrics, report)
+        return cls(state, identity, metrics, report, args)
 
     async def list_models(self) -> dict[str, Any]:
         return (await self.models.show_available_models()).model_dump()
@@ -128,9 +130,11 @@ class OpenAILayer:
                      "%.3fs, e2e %.3fs", req.request_id, t["path"], obs.prompt_tokens,
                      obs.num_cached_tokens, obs.completion_tokens, t["ttft_s"], t["e2e_s"])
         if t and self.metrics is not None:
+            model = req.body.get("model")
             try:
                 self.metrics.record_request(t["path"], obs.prompt_tokens,
-                                            obs.num_cached_tokens, obs.completion_tokens, t)
+                                            obs.num_cached_tokens, obs.completion_tokens, t,
+                                            adapter=model if model in self.adapters else "")
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply

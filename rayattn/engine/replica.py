@@ -198,8 +198,12 @@ class EngineReplica:
                 from rayattn.config.plan import frontend_kwargs
                 from rayattn.engine.openai_layer import OpenAILayer
 
+                frontend = frontend_kwargs(self.cfg)
+                if self.plan.adapters:
+                    frontend["lora_modules"] = compat.lora_modules(self.plan.adapters,
+                                                                   self.cfg.model.name)
                 self._openai_layer = await OpenAILayer.create(
-                    self.engine, self.plan.engine_kwargs, frontend_kwargs(self.cfg),
+                    self.engine, self.plan.engine_kwargs, frontend,
                     {"engine": self.replica_id, "rank": self.rank,
                      "pid": os.getpid()},
                     self.metrics, self._inflight_report)

@@ -23,7 +23,8 @@ class EngineMetrics:
     def __init__(self, model: str, backend: str, replica: str, dp_rank: int) -> None:
         self.tags = {"model": model, "backend": backend, "replica": replica,
                      "dp_rank": str(dp_rank)}
-        ptags = (*TAGS, "path")
+        # Per path and per LoRA adapter ("" for the base model).
+        ptags = (*TAGS, "path", "adapter")
         H, C = rm.Histogram, rm.Counter
         self.ttft = H("rayattn_ttft_seconds", "Time to first token by attention path",
                       boundaries=LATENCY_BUCKETS, tag_keys=ptags)
@@ -63,8 +64,8 @@ class EngineMetrics:
                                        tag_keys=TAGS)
 
     def record_request(self, path: str, prompt_tokens: int, cached: int, generated: int,
-                       timings: dict[str, Any]) -> None:
-        t = {**self.tags, "path": path}
+                       timings: dict[str, Any], adapter: str = "") -> None:
+        t = {**self.tags, "path": path, "adapter": adapter}
         self.ttft.observe(timings["ttft_s"], t)
         self.prefill.observe(timings["prefill_s"], t)
         self.queue.observe(timings["queue_s"], t)
@@ -72,7 +73,8 @@ class EngineMetrics:
         self.requests.inc(1, t)
         _inc(self.tokens, prompt_tokens - cached, {**t, "kind": "computed"})
         _inc(self.tokens, cached, {**t, "kind": "cached"})
-        _inc(self.tokens, generated, {**self.tags, "path": "decode", "kind": "generated"})
+        _inc(self.tokens, generated, {**self.tags, "path": "decode", "adapter": adapter,
+                                      "kind": "generated"})
         if generated > 1 and timings.get("itl_s") is not None:
             self.itl.observe(timings["itl_s"], self.tags)
 

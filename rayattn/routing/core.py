@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayattn.routing import policies
+from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.kv_budget import KVBudget
 from rayattn.routing.load import LoadTracker
@@ -86,11 +87,18 @@ class CoreSnapshot:
 class RoutingCore:
     def __init__(self, settings: Mapping[str, Any], block_size: int, *,
                  hash_algo: str = "sha256", hash_seed: str = "0", origin: str = "",
-                 seed: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic,
+                 adapters: Mapping[str, str] | None = None, adapter_slots: int = 1,
+                 adapters_cached: int = 1) -> None:
         """`settings`: the router settings (RouterConfig's fields, as a mapping); `origin`:
         this router's name in the engines' per-origin load reports; `seed`: for randomised
-        policies (the simulator repeats runs)."""
+        policies (the simulator repeats runs); `adapters`: the LoRA adapters the engines
+        serve (name: the path they load it from, which vLLM hashes into its blocks), with
+        vLLM's max_loras (`adapter_slots`) and max_cpu_loras (`adapters_cached`)."""
         self.settings = dict(settings)
+        self.adapter_paths = dict(adapters or {})
+        self.adapters = AdapterResidency(adapter_slots, adapters_cached) \
+            if self.adapter_paths else AdapterResidency()
         self._hash = (hash_algo, hash_seed)
         self._seed, self._clock = seed, clock
         self.load = LoadTracker(origin)
@@ -134,7 +142,7 @@ class RoutingCore:
         return index
 
     def _new_policy(self, name: str) -> Policy:
-        ctx = PolicyContext(self.index, self.load, self.block_size, self._seed)
+        ctx = PolicyContext(self.index, self.load, self.block_size, self._seed, self.adapters)
         return policies.build(name, ctx, self.settings)
 
     # --- membership ---------------------------------------------------------------------
@@ -162,6 +170,7 @@ class RoutingCore:
             return False
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
+        self.adapters.forget(name)
         self.routable[name] = capacity_blocks
         self.kv.joined(name, capacity_blocks * self.block_size, host_tier)
         if device:
@@ -174,6 +183,7 @@ class RoutingCore:
         """A replica is gone (down, drained, replaced): nothing learned of it stays."""
         self.routable.pop(name, None)
         self.index.remove_replica(name)
+        self.adapters.forget(name)
         self.kv.left(name)
         self.policy.forget_replica(name)
         self.load.forget(name)
@@ -186,23 +196,33 @@ class RoutingCore:
 
     # --- one request --------------------------------------------------------------------
     def request(self, token_ids: list[int], session: str | None = None,
-                text: str = "", salt: str | None = None) -> RouteRequest:
+                text: str = "", salt: str | None = None,
+                adapter: str | None = None) -> RouteRequest:
         """The routing view of a prompt: its block keys. A conversation's new turn extends
         its previous prompt (and answer): only the blocks after what it shares with them
-        are hashed. `salt` is the request's cache namespace (vLLM's `cache_salt`): it is in
-        every block key, and conversations are named within it (one tenant's session id
-        never meets another's)."""
+        are hashed. `salt` is the request's cache namespace (vLLM's `cache_salt`) and
+        `adapter` its LoRA adapter: both are in every block key, and conversations are named
+        within them (one tenant's session id never meets another's)."""
         session = session or None  # an empty header names no conversation
-        if session and salt:
-            session = f"{salt}\0{session}"
+        if session and (salt or adapter):
+            session = "\0".join((salt or "", adapter or "", session))
         known = self._known_hashes(token_ids, session) if session else []
-        hashes = self.hasher.full_hashes(token_ids, known, salt)
+        hashes = self.hasher.full_hashes(token_ids, known, salt, self._adapter(adapter))
         self.hashed_blocks += len(hashes) - len(known)
         if session:
             self._remember(session, token_ids, hashes)
         keys = [to_key(h) for h in hashes]
-        head = keys[0] if keys else hash(tuple(token_ids[: self.block_size]))
-        return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids)
+        head = keys[0] if keys else hash((adapter, tuple(token_ids[: self.block_size])))
+        return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids,
+                            adapter=adapter, salt=salt)
+
+    def _adapter(self, name: str | None) -> tuple[str, str] | None:
+        if name is None:
+            return None
+        try:
+            return name, self.adapter_paths[name]
+        except KeyError:
+            raise ValueError(f"unknown LoRA adapter {name!r}") from None
 
     def _known_hashes(self, token_ids: list[int], session: str) -> list[bytes]:
         entry = self._prefixes.get(session)
@@ -288,6 +308,8 @@ class RoutingCore:
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
                                        route.max_tokens)
         self.load.acquire(d.replica, d.uncached_tokens)
+        self.adapters.dispatched(d.replica, route.adapter)
+        d.adapter = route.adapter
         self.policy.on_dispatch(d.replica, route)
         d.dispatched_at = time.perf_counter()
 
@@ -305,7 +327,8 @@ class RoutingCore:
         keys = done.continuation_keys
         if keys is None:
             cached = route.token_ids + done.output_ids[:-1]
-            full = self.hasher.full_hashes(cached, route.block_hashes)
+            full = self.hasher.full_hashes(cached, route.block_hashes, route.salt,
+                                           self._adapter(route.adapter))
             self.hashed_blocks += len(full) - len(route.block_hashes)
             keys = route.keys + [to_key(h) for h in full[len(route.block_hashes):]]
             if route.session:
@@ -322,6 +345,7 @@ class RoutingCore:
         if d.in_flight:
             self.load.release(d.replica, d.uncached_tokens if d.prefill_pending else 0)
             self.kv.ended(d.replica, d.session, d.kv_held)
+            self.adapters.ended(d.replica, d.adapter)
             d.prefill_pending = d.in_flight = False
 
     def kv_room(self, route: RouteRequest, candidates: list[str]) -> list[str]:
@@ -358,6 +382,8 @@ class RoutingCore:
         for name, capacity in self.routable.items():
             self.index.remove_replica(name)
             self.index.add_replica(name, capacity)
+        # The engines keep their loaded LoRA adapters through a prefix-cache reset, and so
+        # does self.adapters.
         self.policy = self._new_policy(self.settings["policy"])
         self._last_replica.clear()
         old, self.kv = self.kv, KVBudget(self.settings["conversation_idle_s"],

@@ -27,24 +27,28 @@ class BlockHasher:
         self._hash_block = kv_cache_utils.hash_block_tokens
 
     def full_hashes(self, token_ids: Sequence[int], known: Sequence[bytes] = (),
-                    salt: str | None = None) -> list[bytes]:
+                    salt: str | None = None,
+                    adapter: tuple[str, str] | None = None) -> list[bytes]:
         """vLLM BlockHash values of every full block of `token_ids`, chained. `known` are
         already-computed hashes of its leading blocks (a conversation's earlier turns), so
         only the new blocks are hashed. `salt` is the request's `cache_salt`, which vLLM
-        hashes into the first block (and so, by chaining, into every block)."""
+        hashes into the first block (and so, by chaining, into every block); `adapter`
+        (name, path) its LoRA adapter, which vLLM hashes into every block."""
         from rayattn import compat
 
         out: list[bytes] = list(known)
         parent = out[-1] if out else self._none_hash
         bs = self.block_size
+        keyed = salt is not None or adapter is not None
         for start in range(len(out) * bs, len(token_ids) - bs + 1, bs):
-            extra = compat.cache_salt_extra_keys(salt) if salt and start == 0 else None
+            extra = compat.block_extra_keys(salt, adapter, start == 0) if keyed else None
             parent = self._hash_block(self._hash_fn, parent, token_ids[start:start + bs], extra)
             out.append(parent)
         return out
 
-    def keys(self, token_ids: Sequence[int], salt: str | None = None) -> list[int]:
-        return [to_key(h) for h in self.full_hashes(token_ids, salt=salt)]
+    def keys(self, token_ids: Sequence[int], salt: str | None = None,
+             adapter: tuple[str, str] | None = None) -> list[int]:
+        return [to_key(h) for h in self.full_hashes(token_ids, salt=salt, adapter=adapter)]
 
 
 def to_key(block_hash: bytes | int) -> int:

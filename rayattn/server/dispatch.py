@@ -95,12 +95,16 @@ class RouterSnapshot:
 
 class Dispatcher:
     def __init__(self, cfg: RayAttnConfig, block_size: int, engines: Any,
-                 metrics: bool = True) -> None:
+                 metrics: bool = True, adapters: dict[str, str] | None = None) -> None:
+        """`adapters`: the engines' LoRA adapters, name: path (Plan.adapters)."""
         self.cfg = cfg
+        lora = cfg.model.lora
         # `origin` names this router in the engines' per-origin in-flight counts.
         self.core = RoutingCore(cfg.router.model_dump(), block_size,
                                 hash_algo=cfg.engine.prefix_caching_hash_algo,
-                                hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12])
+                                hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12],
+                                adapters=adapters, adapter_slots=lora.max_loras,
+                                adapters_cached=lora.cached)
         self.feeds = KVFeeds(self.core)
         self.metrics = RouterMetrics(cfg.model.name, self.core.policy.name) if metrics else None
         self._kv_waiters: dict[int, tuple[int, asyncio.Future[None]]] = {}

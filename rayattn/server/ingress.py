@@ -47,11 +47,14 @@ class Ingress:
         self.cfg = parse_args(args)
         plan = build_plan(self.cfg, prepare_model=True)
         self.model_name = self.cfg.model.name
+        # Every `model` a request may name: the base and its LoRA adapters.
+        self.adapters = plan.adapters
         self.engine_kwargs = plan.engine_kwargs
         self._renderer_building: asyncio.Task[PromptRenderer] | None = None
         self._renderer_built: PromptRenderer | None = None  # once the task is done
         self._models: dict[str, Any] | None = None
-        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines)
+        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines,
+                                     adapters=plan.adapters)
         self.keys = Keys.from_env(self.cfg.router)
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
@@ -130,7 +133,7 @@ class Ingress:
         if salt is not None:
             data["cache_salt"] = salt
         model = data.get("model")
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.adapters:
             # vLLM's own answer, given here before the prompt is rendered and routed.
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
@@ -197,7 +200,7 @@ class Ingress:
                              engine_inputs=prompt.engine_inputs)
         route = self.dispatcher.core.request(
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text,
-            salt=body.cache_salt)
+            salt=body.cache_salt, adapter=body.model if body.model in self.adapters else None)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
         account = self._is_admin(request)

@@ -71,3 +71,40 @@ def test_a_cache_salt_keys_every_block_as_vllm_does(salt, monkeypatch):
     assert ours.full_hashes(tokens, salt=salt) == list(req.block_hashes)
     plain = ours.keys(tokens)
     assert all(a != b for a, b in zip(ours.keys(tokens, salt=salt), plain, strict=True))
+
+
+@pytest.mark.parametrize("salt", [None, "tenant-a"])
+def test_a_lora_adapter_keys_every_block_as_vllm_does(salt, monkeypatch):
+    """A prompt under a LoRA adapter is cached under other blocks than the base model's and
+    another adapter's (vLLM hashes the adapter into every block): the router's keys are
+    vLLM's hashes of the adapter's request, with or without a cache salt."""
+    from vllm import SamplingParams
+    from vllm.lora.request import LoRARequest
+    from vllm.utils.hashing import get_hash_fn_by_name
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.request import Request
+
+    bs = 16
+    tokens = [random.Random(9).randrange(50_000) for _ in range(bs * 4 + 5)]
+    hash_fn = get_hash_fn_by_name("sha256")
+    monkeypatch.setenv("PYTHONHASHSEED", "0")
+    init_none_hash(hash_fn)
+    ours = BlockHasher(bs, "sha256", seed="0")
+    keys = {}
+    for name, int_id in (("pirate", 1), ("poet", 7)):
+        path = f"/models/lora-{name}"
+        req = Request(request_id=name, prompt_token_ids=tokens,
+                      sampling_params=SamplingParams(max_tokens=1), pooling_params=None,
+                      cache_salt=salt, lora_request=LoRARequest(name, int_id, path),
+                      block_hasher=get_request_block_hasher(bs, hash_fn))
+        assert ours.full_hashes(tokens, salt=salt, adapter=(name, path)) == \
+            list(req.block_hashes)
+        keys[name] = ours.keys(tokens, salt=salt, adapter=(name, path))
+    base = ours.keys(tokens, salt=salt)
+    for a, b, c in zip(keys["pirate"], keys["poet"], base, strict=True):
+        assert len({a, b, c}) == 3
+    # A conversation's next turn hashes only its new blocks: the same keys as from scratch.
+    full = ours.full_hashes(tokens, salt=salt, adapter=("poet", "/models/lora-poet"))
+    grown = tokens + [5] * bs
+    assert ours.full_hashes(grown, full[:2], salt, ("poet", "/models/lora-poet")) == \
+        ours.full_hashes(grown, salt=salt, adapter=("poet", "/models/lora-poet"))

@@ -88,12 +88,18 @@ class Affinity(Policy):
             wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
             reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
-                        + cached * c.ctx_s_per_token + reload * c.reload_s_per_token)
+                        + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
+                        + self._adapter_cost(req, r))
         best = min(costs.values())
         # Costs within a few percent are indistinguishable given the model's error; decide
         # those deterministically so conversations and independent routers stay put.
         tol = max(best * 0.05, c.decode_s_per_request * 0.5)
         near = [r for r, v in costs.items() if v <= best + tol]
+        if req.adapter is not None:
+            # Among near-equal engines, one that has the adapter loaded: on a slow engine
+            # the load is within the model's error, and its requests would still scatter
+            # the adapter over every engine's LoRA slots.
+            near = [r for r in near if self.adapters.holds(r, req.adapter)] or near
         owner = req.previous
         best_cached = max(matches, key=lambda r: matches[r]) if matches else None
         if len(near) > 1 and not any(self.cached_tokens(req, matches.get(r, 0)) >= max(floor, 1)
@@ -114,6 +120,19 @@ class Affinity(Policy):
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
         return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
+
+    def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
+        """What running under a LoRA adapter adds on `replica`: loading it where the engine
+        does not hold it, and waiting for a batch slot where every slot runs another
+        adapter (about one running request's decode: its max_tokens steps of the batch)."""
+        if req.adapter is None:
+            return 0.0
+        c, cost = self.cost, 0.0
+        if not self.adapters.holds(replica, req.adapter):
+            cost += c.adapter_load_s
+        if self.adapters.waits_for_slot(replica, req.adapter):
+            cost += req.max_tokens * c.decode_s_per_request * max(self.load.inflight[replica], 1)
+        return cost
 
     @staticmethod
     def _tie_key(req: RouteRequest, matches: dict[str, int], owner_allowed: bool) -> int:

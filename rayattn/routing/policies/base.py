@@ -8,6 +8,7 @@ import hashlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.prefix_index import PrefixIndex
 
@@ -37,6 +38,10 @@ class RouteRequest:
     reloaded: dict[str, int] = field(default_factory=dict)
     """Of `held`, the blocks each replica would reload from its host-memory KV tier (the
     tail of its match, past what its own cache holds)."""
+    adapter: str | None = None
+    """The LoRA adapter the request runs under (None: the base model)."""
+    salt: str | None = None
+    """Its cache namespace (vLLM's `cache_salt`), hashed into its first block."""
 
 
 @dataclass
@@ -57,6 +62,8 @@ class Decision:
     in_flight: bool = False
     """Between the core's `dispatched` and `ended`: load is held for it."""
     session: str | None = None
+    adapter: str | None = None
+    """The request's LoRA adapter (held in a batch slot of the replica until `ended`)."""
     kv_held: int = 0
     """KV tokens this attempt holds in the core's admission budget until `ended`."""
     regret_tokens: int = 0
@@ -90,6 +97,7 @@ class PolicyContext:
     load: LoadTracker
     block_size: int
     seed: int | None = None
+    adapters: AdapterResidency = field(default_factory=AdapterResidency)
 
 
 class Policy:
@@ -97,6 +105,7 @@ class Policy:
 
     def __init__(self, ctx: PolicyContext) -> None:
         self.index, self.load, self.block_size = ctx.index, ctx.load, ctx.block_size
+        self.adapters = ctx.adapters
 
     def choose(self, req: RouteRequest, replicas: list[str]) -> Decision:
         raise NotImplementedError

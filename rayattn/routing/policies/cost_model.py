@@ -14,6 +14,10 @@ class CostModel:
     reload_fraction: float = 0.1
     """What reloading a token from an engine's host KV tier costs, as a fraction of
     prefilling it: a copy over the host link instead of the model's compute."""
+    adapter_load_s: float = 0.25
+    """Loading a LoRA adapter into an engine that does not hold it (read from disk, copied
+    into the engine's LoRA buffers): the price of sending a request for it elsewhere than
+    where it runs already. Not refitted: the engines report no load times."""
     alpha: float = 0.2
     window: int = 64
     """Finished prefills per engine that the prefill rate is measured over."""

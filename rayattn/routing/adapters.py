@@ -1,0 +1,56 @@
+"""Which LoRA adapters each engine replica holds and runs, as this router has seen it.
+
+vLLM loads an adapter into an engine on its first request and keeps up to `max_cpu_loras`
+of them (least recently used goes first); one batch runs at most `max_loras` distinct
+adapters, and a request for another one waits for a slot. The router cannot ask the engines
+for this, but it sent every request that made them load: it replays vLLM's LRU over what it
+dispatched, and counts the adapters in flight per replica.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+
+class AdapterResidency:
+    def __init__(self, slots: int = 0, cached: int = 0) -> None:
+        """`slots`: vLLM's max_loras; `cached`: adapters an engine keeps loaded
+        (max_cpu_loras). 0: the engines serve no adapters."""
+        self.slots, self.cached = slots, cached
+        self._loaded: dict[str, OrderedDict[str, None]] = {}
+        self._running: dict[str, Counter[str]] = {}
+
+    def holds(self, replica: str, adapter: str) -> bool:
+        """Whether `adapter` is loaded in `replica`'s engine (a request there loads none)."""
+        return adapter in self._loaded.get(replica, ())
+
+    def waits_for_slot(self, replica: str, adapter: str) -> bool:
+        """Whether a request for `adapter` on `replica` would wait for another adapter's
+        requests to finish: every batch slot runs a different adapter."""
+        running = self._running.get(replica)
+        if not running or adapter in running:
+            return False
+        return len(running) >= self.slots
+
+    def dispatched(self, replica: str, adapter: str | None) -> None:
+        if adapter is None or not self.cached:
+            return
+        loaded = self._loaded.setdefault(replica, OrderedDict())
+        loaded[adapter] = None
+        loaded.move_to_end(adapter)
+        while len(loaded) > self.cached:
+            loaded.popitem(last=False)
+        self._running.setdefault(replica, Counter())[adapter] += 1
+
+    def ended(self, replica: str, adapter: str | None) -> None:
+        running = self._running.get(replica)
+        if adapter is None or running is None or not running[adapter]:
+            return
+        running[adapter] -= 1
+        if not running[adapter]:
+            del running[adapter]
+
+    def forget(self, replica: str) -> None:
+        """A replica left (or restarted): its engine holds nothing."""
+        self._loaded.pop(replica, None)
+        self._running.pop(replica, None)

@@ -1,0 +1,92 @@
+"""LoRA adapters in the routing core: their requests are keyed apart from the base model's
+and stay on the replicas that already run the adapter (routing/adapters.py)."""
+
+from __future__ import annotations
+
+from rayattn.config.schema import RouterConfig
+from rayattn.routing.adapters import AdapterResidency
+from rayattn.routing.core import Finished, RoutingCore
+
+BS = 16
+ADAPTERS = {"pirate": "/lora/pirate", "poet": "/lora/poet"}
+
+
+def core(slots: int = 1, cached: int = 2, replicas: tuple[str, ...] = ("a", "b")) -> RoutingCore:
+    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS, adapters=ADAPTERS,
+                    adapter_slots=slots, adapters_cached=cached)
+    for name in replicas:
+        assert c.joined(name, BS, 1000)
+    return c
+
+
+def prompt(i: int, n_blocks: int = 4) -> list[int]:
+    return [i * 100_000 + t for t in range(n_blocks * BS + 3)]
+
+
+def run(c: RoutingCore, ids: list[int], adapter: str | None) -> str:
+    """One request through the whole lifecycle; the replica it ran on."""
+    route = c.request(ids, adapter=adapter)
+    d = c.choose(route, sorted(c.routable))
+    c.dispatched(d, route)
+    c.first_token(d)
+    c.finished(d, route, Finished(len(ids), d.predicted_cached_tokens, [1, 2, 3], {}))
+    c.ended(d)
+    return d.replica
+
+
+def test_an_adapters_new_conversations_stay_where_it_is_loaded():
+    c = core()
+    where = {run(c, prompt(i), "pirate") for i in range(12)}
+    assert len(where) == 1
+    # The control: the same prompts on the base model spread by their own keys.
+    assert len({run(c, prompt(100 + i), None) for i in range(12)}) == 2
+
+
+def test_the_same_prompt_under_another_adapter_is_not_a_hit():
+    c = core()
+    ids = prompt(1)
+    first = run(c, ids, "pirate")
+    again = c.choose(c.request(ids, adapter="pirate"), ["a", "b"])
+    assert again.replica == first and again.predicted_cached_tokens == 4 * BS
+    for other in ("poet", None):
+        d = c.choose(c.request(ids, adapter=other), ["a", "b"])
+        assert d.predicted_cached_tokens == 0, other
+
+
+def test_a_busy_slot_costs_more_than_loading_the_adapter_elsewhere():
+    """One adapter per batch (max_loras 1): while `a` runs pirate, a poet request would
+    wait there for a slot, so it goes to `b` and loads poet there, although only `a` holds
+    it; once `a`'s slot is free, poet is cheapest where it is loaded."""
+    c = core(slots=1, cached=2)
+    c.adapters.dispatched("a", "poet")
+    c.adapters.ended("a", "poet")
+    route = c.request(prompt(1), adapter="pirate")
+    d = c.choose(route, ["a"])
+    c.dispatched(d, route)
+    assert c.adapters.waits_for_slot("a", "poet")
+    assert c.choose(c.request(prompt(2), adapter="poet"), ["a", "b"]).replica == "b"
+    c.ended(d)
+    assert not c.adapters.waits_for_slot("a", "poet")
+    assert c.choose(c.request(prompt(3), adapter="poet"), ["a", "b"]).replica == "a"
+
+
+def test_residency_is_vllms_lru_and_a_replica_that_leaves_holds_nothing():
+    res = AdapterResidency(slots=1, cached=2)
+    for name in ("x", "y", "x", "z"):  # z evicts y, the least recently used
+        res.dispatched("r", name)
+        res.ended("r", name)
+    assert [res.holds("r", n) for n in ("x", "y", "z")] == [True, False, True]
+    res.forget("r")
+    assert not res.holds("r", "x")
+    c = core()
+    where = run(c, prompt(1), "pirate")
+    c.left(where)
+    assert c.joined(where, BS, 1000)  # back, restarted: its engine loaded nothing yet
+    assert not c.adapters.holds(where, "pirate")
+
+
+def test_an_unknown_adapter_is_refused_before_routing():
+    import pytest
+
+    with pytest.raises(ValueError, match="unknown LoRA adapter"):
+        core().request(prompt(1), adapter="nope")
