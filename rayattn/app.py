@@ -13,7 +13,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from rayattn.config.loader import ENGINE_DEPLOYMENT, parse_args
+from rayattn.config.loader import ENGINE_DEPLOYMENT, engine_deployment, model_args, parse_args
 from rayattn.config.plan import Plan, build_plan
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.replica import EngineReplica
@@ -50,7 +50,7 @@ ROUTER_UNIT = 0.001
 """Of serve.router_node_resource, per router replica: a node declaring 1 takes up to 1000."""
 
 
-def engine_options(plan: Plan) -> dict[str, Any]:
+def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
     cfg = plan.config
     bundle0 = plan.bundles[0]
     actor: dict[str, Any] = {
@@ -66,7 +66,7 @@ def engine_options(plan: Plan) -> dict[str, Any]:
     if cfg.serve.engine_autoscaling is not None:
         scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}
     return dict(
-        name=ENGINE_DEPLOYMENT,
+        name=name,
         **scaling,
         request_router_config=RequestRouterConfig(request_router_class=REQUEST_ROUTER),
         # A rolling update replaces max(20 %, 1) replicas at a time; with surge, the new
@@ -115,14 +115,22 @@ def router_options(cfg: RayAttnConfig) -> dict[str, Any]:
 
 
 def build_app(args: dict[str, Any]) -> Application:
-    cfg = parse_args(args)
-    plan = build_plan(cfg, prepare_model=True)
-    # Router settings travel as the router's Serve user_config (applied live through
-    # reconfigure) and are not part of anyone's init args: changing them restarts nothing,
-    # and engines never see them.
+    """The router in front of one engine deployment per base model (`args.models`, else the
+    one model of `args`)."""
+    per_model = model_args(args)
+    several = len(per_model) > 1
+    engines = {}
+    for margs in per_model:
+        cfg = parse_args(margs)
+        plan = build_plan(cfg, prepare_model=True)
+        # Router settings travel as the router's Serve user_config (applied live through
+        # reconfigure) and are not part of anyone's init args: changing them restarts
+        # nothing, and engines never see them.
+        own = {k: v for k, v in margs.items() if k != "router"}
+        engines[cfg.model.name] = Engine.options(
+            **engine_options(plan, engine_deployment(cfg, several))).bind(own)
     shared = {k: v for k, v in args.items() if k != "router"}
-    engines = Engine.options(**engine_options(plan)).bind(shared)
-    return Router.options(**router_options(cfg)).bind(shared, engines)
+    return Router.options(**router_options(parse_args(per_model[0]))).bind(shared, engines)
 
 
 def deploy_config(serve_config: dict[str, Any]) -> None:

@@ -119,6 +119,10 @@ def lookup(model: ModelConfig, prepare: bool = False) -> Architecture:
         # Embedded model not prepared yet: its facts are fixed by the GGUF we ship.
         return Architecture(False, 9, 3, 64, False, False, source="rayattn built-in table",
                             num_layers=30)
+    if local is not None and local.name == "tiny-llama":
+        # Generated when first prepared, always at this shape (rayattn/models/tiny.py).
+        return Architecture(False, 4, 2, 32, False, False, source="rayattn built-in table",
+                            num_layers=2)
     if model.architecture is not None:
         a = model.architecture
         return Architecture(a.is_mla, a.num_attention_heads,

@@ -16,7 +16,10 @@ import tempfile
 from pathlib import Path
 
 EMBEDDED_SCHEME = "rayattn://"
-EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct"}
+EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-llama": "tiny-llama"}
+# Made here with random weights (rayattn/models/tiny.py): a second small base model for
+# multi-model deployments and tests, by the architecture it is made as.
+GENERATED = {"tiny-llama": "llama"}
 _MARKER = "rayattn-prepared.json"
 
 
@@ -57,8 +60,37 @@ def resolve_embedded(source: str, prepare: bool = True) -> Path:
             f"known: {', '.join(EMBEDDED_SCHEME + k for k in EMBEDDED_MODELS)}"
         )
     out = prepared_dir(name)
-    if prepare:
+    if prepare and name in GENERATED:
+        prepare_generated(GENERATED[name], out)
+    elif prepare:
         prepare_smollm2(out)
+    return out
+
+
+def prepare_generated(arch: str, out: Path) -> Path:
+    """A tiny random-weight model of `arch` in `out` (idempotent; several processes may
+    prepare it at once: each writes its own directory and the first rename wins)."""
+    from rayattn.models.tiny import make_tiny_model
+
+    stamp = {"generated": arch, "format": 1}
+    marker = out / _MARKER
+    if marker.exists() and json.loads(marker.read_text()) == stamp:
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".prep-"))
+    try:
+        make_tiny_model(arch, tmp)
+        (tmp / _MARKER).write_text(json.dumps(stamp))
+        if out.exists() and not marker.exists():
+            shutil.rmtree(out, ignore_errors=True)
+        try:
+            tmp.rename(out)
+        except OSError:
+            if not marker.exists():
+                raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -18,8 +18,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from rayattn import compat
-from rayattn.config.loader import parse_args
-from rayattn.config.plan import build_plan
+from rayattn.config.loader import parse_models
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.server import limits
@@ -28,11 +27,10 @@ from rayattn.server.errors import (
     APIError,
     EngineFailure,
     client_error,
-    error_response,
     failed_request,
     from_validation,
 )
-from rayattn.server.rendering import PromptRenderer, Rendered
+from rayattn.server.model_route import ModelRoute
 from rayattn.server.tenancy import Keys, cache_salt, key_id
 
 log = logging.getLogger("rayattn.ingress")
@@ -40,22 +38,23 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
-    def __init__(self, args: dict[str, Any], engines: Any) -> None:
+    def __init__(self, args: dict[str, Any], engines: dict[str, Any]) -> None:
+        """`engines`: each base model's engine deployment handle, by served name."""
         from rayattn import logs
 
         logs.setup()
-        self.cfg = parse_args(args)
-        plan = build_plan(self.cfg, prepare_model=True)
-        self.model_name = self.cfg.model.name
-        # Every `model` a request may name: the base and its LoRA adapters.
-        self.adapters = plan.adapters
-        self.engine_kwargs = plan.engine_kwargs
-        self._renderer_building: asyncio.Task[PromptRenderer] | None = None
-        self._renderer_built: PromptRenderer | None = None  # once the task is done
-        self._models: dict[str, Any] | None = None
-        self.dispatcher = Dispatcher(self.cfg, plan.block_size, engines,
-                                     adapters=plan.adapters)
+        cfgs = parse_models(args)
+        self.routes = {c.model.name: ModelRoute(c, engines[c.model.name]) for c in cfgs}
+        """One per base model, in the config's order (the first answers requests that name
+        no model, as `vllm serve` answers them with its first served name)."""
+        self._by_model = {n: r for r in self.routes.values() for n in r.cfg.model.served_names}
+        # Router settings and the router's own serve settings are shared by every model.
+        self.cfg = cfgs[0]
         self.keys = Keys.from_env(self.cfg.router)
+
+    @property
+    def dispatchers(self) -> list[Dispatcher]:
+        return [r.dispatcher for r in self.routes.values()]
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
         """New router settings on a running router (Serve's reconfigure): limits and
@@ -65,9 +64,12 @@ class Ingress:
 
         new = RouterConfig.model_validate(router)
         keys = Keys.from_env(new)  # fails the update (not the requests) when a key is missing
-        self.cfg.router = new  # validate_assignment re-checks it against the engine part
+        for route in self.routes.values():
+            # validate_assignment re-checks it against each model's engine part
+            route.cfg.router = new
         self.keys = keys
-        self.dispatcher.apply_router_config(new)
+        for d in self.dispatchers:
+            d.apply_router_config(new)
         log.info("router settings applied: %s", new.model_dump())
 
     def _authorize(self, request: Request, admin: bool = False) -> str | None:
@@ -86,39 +88,13 @@ class Ingress:
 
     # --- plumbing -----------------------------------------------------------------------
     async def _start(self) -> None:
-        """The fleet view, and vLLM's renderer built in the background from the first call
-        (a health probe, usually) so that no request waits for it."""
-        await self.dispatcher.start()
-        if self._renderer_building is None:
-            if slow := os.environ.get("RAYATTN_SLOW_CALLBACK_S"):
-                # Diagnosis (bench/gpu/profile_router.sh): asyncio logs every step that holds
-                # this loop longer than this, i.e. what delays every other request.
-                loop = asyncio.get_running_loop()
-                loop.set_debug(True)
-                loop.slow_callback_duration = float(slow)
-            self._renderer_building = asyncio.get_running_loop().create_task(
-                PromptRenderer.create(self.cfg, self.engine_kwargs))
-
-    async def _prompt_renderer(self) -> PromptRenderer:
-        if self._renderer_built is not None:
-            return self._renderer_built
-        await self._start()
-        task = self._renderer_building
-        assert task is not None
-        try:
-            self._renderer_built = await asyncio.shield(task)
-            return self._renderer_built
-        except Exception as e:  # e.g. the tokenizer not loadable here: retried next request
-            log.error("vLLM's renderer could not be built: %r", e)
-            if self._renderer_building is task:
-                self._renderer_building = None
-            raise APIError(503, "the router cannot render prompts yet: "
-                                f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
+        for route in self.routes.values():
+            await route.start()
 
     async def _body(self, request: Request, kind: str,
-                    key: str | None) -> tuple[dict[str, Any], Any]:
-        """The JSON body, in the caller's cache namespace, and vLLM's request model of it
-        (vLLM's own validation)."""
+                    key: str | None) -> tuple[dict[str, Any], Any, ModelRoute]:
+        """The JSON body, in the caller's cache namespace, vLLM's request model of it
+        (vLLM's own validation), and the base model it names."""
         raw = await read_body(request, self.cfg.router.max_body_bytes,
                               self.cfg.router.body_timeout_s)
         try:
@@ -133,7 +109,9 @@ class Ingress:
         if salt is not None:
             data["cache_salt"] = salt
         model = data.get("model")
-        if model is not None and model != self.model_name and model not in self.adapters:
+        route = next(iter(self.routes.values())) if model is None else \
+            self._by_model.get(model) if isinstance(model, str) else None
+        if route is None:
             # vLLM's own answer, given here before the prompt is rendered and routed.
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
                            code="model_not_found")
@@ -145,21 +123,7 @@ class Ingress:
             raise APIError(400, "request body nested too deeply") from None
         except compat.client_error_types() as e:  # vLLM's own checks beyond pydantic's
             raise client_error(e) from None
-        return data, body
-
-    async def _render(self, kind: str, body: Any) -> Rendered:
-        renderer = await self._prompt_renderer()
-        try:
-            out = await renderer.render(kind, body)
-        except compat.client_error_types() as e:  # vLLM's: prompt too long, bad template…
-            raise client_error(e, "messages" if kind == "chat" else "prompt") from None
-        except Exception as e:
-            raise render_failure(e, "messages" if kind == "chat" else "prompt") from None
-        if not isinstance(out, Rendered):
-            raise error_response(out)
-        if not out.token_ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
-        return out
+        return data, body, route
 
     async def handle(self, request: Request, kind: str) -> Response:
         request.state.arrived = Arrival(time.perf_counter(), time.time())
@@ -173,41 +137,42 @@ class Ingress:
                                  request.headers.get(self.cfg.router.session_header),
                                  self.cfg.router.limits)
             await self._start()
-            data, body = await self._body(request, kind, key)
+            data, body, route = await self._body(request, kind, key)
             tenant = key_id(key)
-            slot = self.dispatcher.admit(tenant, limits.engine_requests(kind, data))
+            slot = route.dispatcher.admit(tenant, limits.engine_requests(kind, data))
         except APIError as e:
             return e.response()
         # From here the slot is ours until the response ends; whichever path ends the
         # request releases it (once).
         try:
-            return await self._admitted(request, kind, data, body, rid, slot, tenant)
+            return await self._admitted(request, kind, data, body, rid, slot, tenant, route)
         except BaseException:
             slot.release()
             raise
 
     async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
-                        rid: str, slot: Slot, tenant: str) -> Response:
+                        rid: str, slot: Slot, tenant: str, model: ModelRoute) -> Response:
         try:
-            prompt = await self._render(kind, body)
+            prompt = await model.render(kind, body)
         except APIError as e:
             slot.release()
             return e.response()
         data["request_id"] = rid
         stream = bool(body.stream)
-        oreq = OpenAIRequest(kind, data, rid, self.dispatcher.stream_interval_s(),
+        dispatcher = model.dispatcher
+        oreq = OpenAIRequest(kind, data, rid, dispatcher.stream_interval_s(),
                              log=self.cfg.router.log_requests,
                              engine_inputs=prompt.engine_inputs)
-        route = self.dispatcher.core.request(
+        route = dispatcher.core.request(
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text,
-            salt=body.cache_salt, adapter=body.model if body.model in self.adapters else None)
+            salt=body.cache_salt, adapter=model.adapter(body.model))
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
         account = self._is_admin(request)
         if stream:
             # The first item before the response starts: a request that fails before any
             # output (no replica, vLLM rejects it, timeout) gets its real status code.
-            items = self.dispatcher.generate(oreq, route, tenant=tenant)
+            items = dispatcher.generate(oreq, route, tenant=tenant)
             try:
                 async with asyncio.timeout_at(deadline):
                     first, decision = await anext(items)
@@ -226,17 +191,17 @@ class Ingress:
             return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
                            items, media_type="text/event-stream",
                            headers=_replica_header(decision, account))
-        return await self._complete(oreq, route, arrived, slot, account, tenant)
+        return await self._complete(dispatcher, oreq, route, arrived, slot, account, tenant)
 
-    async def _complete(self, req: OpenAIRequest, route: Any, arrived: Arrival,
-                        slot: Slot, account: bool, tenant: str) -> Response:
+    async def _complete(self, dispatcher: Dispatcher, req: OpenAIRequest, route: Any,
+                        arrived: Arrival, slot: Slot, account: bool, tenant: str) -> Response:
         last, decision = None, None
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
                 # Buffered: nothing reaches the client before the answer is whole, so the
                 # dispatcher may retry a replica failure at any point.
-                async for item, d in self.dispatcher.generate(req, route, buffered=True,
-                                                              tenant=tenant):
+                async for item, d in dispatcher.generate(req, route, buffered=True,
+                                                         tenant=tenant):
                     if item.final:
                         last, decision = item, d
         except (APIError, EngineFailure, TimeoutError) as e:
@@ -286,7 +251,6 @@ class Ingress:
         await self._start()
         from rayattn.config.schema import RouterConfig
 
-        d = self.dispatcher
         try:
             data = json.loads(await request.body() or b"{}")
             if not isinstance(data, dict):
@@ -298,7 +262,7 @@ class Ingress:
             if not isinstance(settings, dict):
                 raise APIError(400, "settings must be an object of router settings",
                                param="settings")
-            now = d.snapshot()
+            now = self.dispatchers[0].snapshot()  # every model's routing runs the same
             current = {**self.cfg.router.model_dump(), "policy": now.policy,
                        "index": now.index_mode}
             want = RouterConfig.model_validate(
@@ -317,16 +281,17 @@ class Ingress:
             if any(k != "policy" for k in changed):
                 # Same path as a live router setting: a new index resyncs from the engines.
                 self.apply_router_config(wanted)
-            policy = await d.reset(want.policy)
+            for d in self.dispatchers:
+                policy = await d.reset(want.policy)
         except APIError as e:
             return e.response()
         except ValidationError as e:
             return from_validation(e).response()
         except ValueError as e:
             return APIError(400, str(e)).response()
-        after = self.dispatcher.snapshot()
-        return JSONResponse({"policy": policy, "index": after.index_mode,
-                             "replicas_up": after.replicas_up})
+        after = [d.snapshot() for d in self.dispatchers]
+        return JSONResponse({"policy": policy, "index": after[0].index_mode,
+                             "replicas_up": [r for a in after for r in a.replicas_up]})
 
     async def models(self, request: Request) -> Response:
         try:
@@ -334,41 +299,57 @@ class Ingress:
         except APIError as e:
             return e.response()
         await self._start()
-        live = self.dispatcher.live()
-        if not live:
+        # vLLM's own cards (names, max_model_len, adapters with their parent) from each base
+        # model's engines; a model none of whose engines serves yet is left out.
+        cards = [await r.models() for r in self.routes.values()]
+        if all(c is None for c in cards):
             return self._not_ready().response()
-        if self._models is None:
-            # vLLM's own list (names, max_model_len, permissions), the same on every engine.
-            handle = self.dispatcher.fleet.members[live[0]].handle
-            self._models = await handle.models.remote()
-        return JSONResponse(self._models)
+        return JSONResponse({"object": "list", "data": [m for c in cards if c for m in c]})
 
     def _not_ready(self) -> APIError:
-        n = len(self.dispatcher.fleet.members)
-        return APIError(503, f"not ready: 0 of {n} engine replicas serve yet (engines load "
-                             "the model at start-up; retry shortly)", retry_after=5)
+        down = [r for r in self.routes.values() if not r.dispatcher.live()]
+        if len(self.routes) == 1 or not down:
+            return next(iter(self.routes.values())).not_ready()
+        names = ", ".join(r.name for r in down)
+        return APIError(503, f"not ready: no engine replica of {names} serves yet (engines "
+                             "load the model at start-up; retry shortly)", retry_after=5)
 
     async def health(self, request: Request) -> Response:
         await self._start()
-        snap = self.dispatcher.snapshot()
-        live = snap.replicas_up
-        body: dict[str, Any] = {"status": "ok" if live else "unavailable",
-                                "reason": None if live else self._not_ready().message,
-                                "up": len(live), "of": len(snap.engines)}
+        snaps = {n: r.dispatcher.snapshot() for n, r in self.routes.items()}
+        first = next(iter(snaps.values()))
+        live = [r for s in snaps.values() for r in s.replicas_up]
+        # Ready when every model has an engine serving: a balancer must not send a model's
+        # requests to a router that cannot serve them.
+        ready = all(s.replicas_up for s in snaps.values())
+        body: dict[str, Any] = {"status": "ok" if ready else "unavailable",
+                                "reason": None if ready else self._not_ready().message,
+                                "up": len(live), "of": sum(len(s.engines) for s in snaps.values())}
+        headers = None if ready else {"Retry-After": "5"}
         if not self._is_admin(request):
             # Probes need only the status; pids, GPU ids, replica names and live load are
             # for operators.
-            return JSONResponse(body, status_code=200 if live else 503,
-                                headers=None if live else {"Retry-After": "5"})
-        body |= {"replicas_up": live, "replicas": snap.replicas, "joined": snap.joined,
-                 "policy": snap.policy,
-                "router_pid": os.getpid(), "limits": {"max_inflight": snap.max_inflight},
-                "index": snap.index_mode, "counts": snap.counts,
-                "regret_tokens": snap.regret_tokens, "session_moves": snap.session_moves,
-                "engines": {n: asdict(e) for n, e in snap.engines.items()}}
-        if not live:
-            return JSONResponse(body, status_code=503, headers={"Retry-After": "5"})
-        return JSONResponse(body)
+            return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
+        body |= {"replicas_up": live, "replicas": sum(s.replicas for s in snaps.values()),
+                 "joined": sum(s.joined for s in snaps.values()), "policy": first.policy,
+                 "router_pid": os.getpid(), "limits": {"max_inflight": first.max_inflight},
+                 "index": first.index_mode,
+                 "counts": _summed(s.counts for s in snaps.values()),
+                 "regret_tokens": _summed(s.regret_tokens for s in snaps.values()),
+                 "session_moves": _summed(s.session_moves for s in snaps.values()),
+                 "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}
+        if len(snaps) > 1:
+            body["models"] = {n: {"up": len(s.replicas_up), "of": len(s.engines),
+                                  "engines": sorted(s.engines)} for n, s in snaps.items()}
+        return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
+
+
+def _summed(counters: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for c in counters:
+        for k, v in c.items():
+            out[k] = out.get(k, 0) + v
+    return out
 
 
 class _Stream(StreamingResponse):
@@ -387,20 +368,6 @@ class _Stream(StreamingResponse):
         finally:
             await self._upstream.aclose()
             self._slot.release()
-
-
-def render_failure(e: Exception, param: str) -> APIError:
-    """What a rendering error is for the client. The errors malformed messages raise inside
-    the chat template and vLLM's parsers are the client's (400); anything else is the
-    router's own failure (500), named by type only: its message may describe internals."""
-    from jinja2 import TemplateError
-
-    if isinstance(e, (ValueError, TypeError, LookupError, AttributeError, RecursionError,
-                      TemplateError)):
-        return APIError(400, f"the prompt could not be rendered: {type(e).__name__}: "
-                             f"{str(e)[:300]}", param=param)
-    log.exception("rendering failed")
-    return APIError(500, f"internal error while rendering the prompt ({type(e).__name__})")
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -55,7 +55,7 @@ def test_a_render_failure_is_the_clients_only_when_its_input_caused_it():
     the router's own (a missing file, a bug), which is a 500 naming only its type."""
     from jinja2 import TemplateError
 
-    from rayattn.server.ingress import render_failure
+    from rayattn.server.model_route import render_failure
 
     for e in (ValueError("bad role"), TypeError("content"), KeyError("x"),
               TemplateError("unknown tag")):

@@ -1,6 +1,7 @@
-"""LoRA adapters behind the router, on real engines (deployments/local-multi.yaml): each
-adapter is its own `model`, cached apart from the base and the other adapter, kept on the
-engines that run it, listed by /v1/models and labelled in the per-path metrics.
+"""Several models behind one router, on real engines (deployments/local-multi.yaml): two
+base models with engine deployments of their own, and LoRA adapters on one of them, each
+its own `model`, cached apart from the base and the other adapter, kept on the engines that
+run it, listed by /v1/models and labelled in the per-path metrics.
 
 Runs last, on an application of its own: deploying it replaces the shared one (Serve's
 declarative deploy), whose CPUs its two engines take."""
@@ -17,7 +18,7 @@ import yaml
 from tests.conftest import ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
-BASE, PIRATE, POET = "smollm2", "smollm2-pirate", "smollm2-poet"
+BASE, PIRATE, POET, TINY = "smollm2", "smollm2-pirate", "smollm2-poet", "tiny-llama"
 # Long enough for several 32-token blocks.
 DOC = ("Routing notes. " + " ".join(f"Replica {i} keeps block {i * 7} of the cache warm."
                                      for i in range(40)))
@@ -49,13 +50,31 @@ def chat(url: str, model: str, content: str, max_tokens: int = 12,
     return r.json()
 
 
-def test_models_lists_the_base_and_its_adapters(multi):
+def test_models_lists_both_base_models_and_the_adapters(multi):
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{multi}/v1", api_key="unused", max_retries=0)
     cards = {m.id: m for m in client.models.list().data}
-    assert set(cards) == {BASE, PIRATE, POET}
+    assert set(cards) == {BASE, PIRATE, POET, TINY}
     assert cards[PIRATE].parent == BASE and cards[POET].parent == BASE
+    assert cards[TINY].max_model_len == 1024
+
+
+def test_both_base_models_answer_through_one_endpoint_on_their_own_engines(multi):
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{multi}/v1", api_key="unused", max_retries=0, timeout=120)
+    health = httpx.get(f"{multi}/health", timeout=30).json()
+    engines = {name: set(m["engines"]) for name, m in health["models"].items()}
+    assert set(engines) == {BASE, TINY} and not engines[BASE] & engines[TINY]
+    assert health["models"][BASE]["up"] == 2 and health["models"][TINY]["up"] == 1
+    for model in (TINY, BASE, TINY):
+        raw = client.chat.completions.with_raw_response.create(
+            model=model, max_tokens=8, temperature=0,
+            messages=[{"role": "user", "content": "the cache block token"}])
+        r = raw.parse()
+        assert r.model == model and r.usage.completion_tokens > 0
+        assert raw.headers["x-rayattn-replica"] in engines[model]
 
 
 def test_each_adapter_answers_and_differs_from_the_base(multi):
