@@ -38,12 +38,15 @@ REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
-    def __init__(self, args: dict[str, Any], engines: dict[str, Any]) -> None:
-        """`engines`: each base model's engine deployment handle, by served name."""
+    def __init__(self, args: dict[str, Any], engines: Any) -> None:
+        """`engines`: each base model's engine deployment handle, by served name (or, for
+        one model, its handle alone)."""
         from rayattn import logs
 
         logs.setup()
         cfgs = parse_models(args)
+        if not isinstance(engines, dict):
+            engines = {cfgs[0].model.name: engines}
         self.routes = {c.model.name: ModelRoute(c, engines[c.model.name]) for c in cfgs}
         """One per base model, in the config's order (the first answers requests that name
         no model, as `vllm serve` answers them with its first served name)."""

@@ -141,3 +141,40 @@ def test_per_path_metrics_carry_the_adapter(multi, ray_cluster):
             break
         time.sleep(1)
     assert {PIRATE, POET} <= seen, seen
+
+
+def test_responses_continue_a_conversation_on_the_engine_that_stored_it(multi):
+    """/v1/responses through vLLM's own serving layer: each turn names the previous one by
+    `previous_response_id`, whose stored history only its engine holds; the router sends it
+    there, where the history is also cached (the second turn streamed)."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"{multi}/v1", api_key="unused", max_retries=0, timeout=120)
+    prev, replicas, cached = None, [], []
+    for turn, text in enumerate([DOC, "Which replica keeps block 14?", "And block 21?"]):
+        kw = dict(model=BASE, input=text, max_output_tokens=8, temperature=0,
+                  previous_response_id=prev)
+        if turn == 1:
+            raw = client.responses.with_raw_response.create(stream=True, **kw)
+            events = list(raw.parse())
+            done = [e for e in events if e.type == "response.completed"]
+            assert len(done) == 1, [e.type for e in events]
+            r = done[0].response
+        else:
+            raw = client.responses.with_raw_response.create(**kw)
+            r = raw.parse()
+        assert r.status == "completed" and r.output_text is not None
+        replicas.append(raw.headers["x-rayattn-replica"])
+        cached.append(r.usage.input_tokens_details.cached_tokens)
+        prev = r.id
+    print(f"\nresponses: replicas {replicas}, cached tokens {cached}")
+    assert len(set(replicas)) == 1
+    assert cached[1] > 0 and cached[2] > cached[1], cached
+
+
+def test_an_unknown_previous_response_is_a_404_naming_the_field(multi):
+    r = httpx.post(f"{multi}/v1/responses", timeout=30, json={
+        "model": BASE, "input": "hi", "previous_response_id": "resp_nope"})
+    assert r.status_code == 404, r.text
+    err = r.json()["error"]
+    assert "resp_nope" in err["message"]

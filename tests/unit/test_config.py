@@ -19,6 +19,36 @@ ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENTS = sorted((ROOT / "deployments").glob("*.yaml"))
 
 
+def test_several_models_share_sections_and_differ_where_an_entry_says():
+    from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
+
+    apps = dict(rayattn_apps(load_serve_config(ROOT / "deployments" / "local-multi.yaml")))
+    smol, tiny = apps["rayattn-multi/smollm2"], apps["rayattn-multi/tiny-llama"]
+    # Shared: the platform, the block size, max_num_seqs; the tiny model's own KV size.
+    assert smol.platform == tiny.platform and smol.attention == tiny.attention
+    assert smol.engine.max_num_seqs == tiny.engine.max_num_seqs == 32
+    assert (smol.engine.kv_cache_memory_bytes, tiny.engine.kv_cache_memory_bytes) == \
+        (1 << 30, 256 << 20)
+    # Replica counts from each model's own engine deployment entry.
+    assert (smol.parallelism.data_parallel_size, tiny.parallelism.data_parallel_size) == (2, 1)
+    assert [a.name for a in smol.model.lora.adapters] == ["smollm2-pirate", "smollm2-poet"]
+    assert not tiny.model.lora.enabled
+
+    from rayattn.config.loader import parse_models
+
+    base = {"platform": {"kind": "cpu"}, "engine": {"kv_cache_memory_bytes": 1 << 30}}
+    with pytest.raises(ConfigError, match="models.1.router: the router is shared"):
+        parse_models({**base, "models": [{"model": {"source": "a"}},
+                                         {"model": {"source": "b"}, "router": {}}]})
+    with pytest.raises(ConfigError, match="served names must be distinct"):
+        parse_models({**base, "models": [{"model": {"source": "x/a"}},
+                                         {"model": {"source": "y/a"}}]})
+    with pytest.raises(ConfigError, match="needs its own name"):
+        parse_models({**base, "models": [
+            {"model": {"source": "a", "lora": {"adapters": [{"name": "b", "source": "/l"}]}}},
+            {"model": {"source": "b"}}]})
+
+
 def _args(name: str) -> dict:
     return yaml.safe_load((ROOT / "deployments" / name).read_text())["applications"][0]["args"]
 
@@ -27,7 +57,9 @@ def test_every_deployment_passes_check(capsys):
     assert len(DEPLOYMENTS) >= 4
     assert main(["check", *map(str, DEPLOYMENTS)]) == 0
     out = capsys.readouterr().out
-    assert out.count(": OK") == len(DEPLOYMENTS)
+    # One OK per model: local-multi.yaml serves two base models.
+    assert out.count(": OK") == len(DEPLOYMENTS) + 1
+    assert "[rayattn-multi/tiny-llama]: OK" in out
     assert "ROCM_AITER_TRITON_MLA" in out and "ROCM_AITER_FA" in out and "CPU_ATTN" in out
 
 
