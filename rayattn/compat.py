@@ -363,6 +363,8 @@ _PROTOCOL = {
               "vllm.entrypoints.openai.protocol"), "ChatCompletionRequest"),
     "completion": (("vllm.entrypoints.openai.completion.protocol",
                     "vllm.entrypoints.openai.protocol"), "CompletionRequest"),
+    "responses": (("vllm.entrypoints.openai.responses.protocol",
+                   "vllm.entrypoints.openai.protocol"), "ResponsesRequest"),
     "error": (("vllm.entrypoints.serve.engine.protocol",
                "vllm.entrypoints.openai.engine.protocol",
                "vllm.entrypoints.openai.protocol"), "ErrorResponse"),
@@ -371,7 +373,8 @@ _PROTOCOL = {
 
 @functools.cache
 def openai_model(kind: str) -> type:
-    """vLLM's pydantic model of an OpenAI body: `chat`, `completion` or `error`."""
+    """vLLM's pydantic model of an OpenAI body: `chat`, `completion`, `responses` or
+    `error`."""
     modules, name = _PROTOCOL[kind]
     return _first_attr(modules, name)
 

@@ -296,6 +296,8 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         env.update(backends.RAY_EXECUTOR_ENV[plat])
     if plat == "rocm" and spec.name != "ROCM_AITER_FA":
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
+    if cfg.engine.responses_store:
+        env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
     env.update(cfg.engine.env)
     extra_copy = sorted(k for k in env if k.startswith(backends.RAY_EXTRA_ENV_PREFIXES))
     if extra_copy and cfg.parallelism.gpus_per_replica > 1:

@@ -246,6 +246,11 @@ class EngineConfig(_Strict):
     hash_seed: str = "0"
     """PYTHONHASHSEED of every engine and router process: block hashes (and KV events) only
     agree across processes when it is the same."""
+    responses_store: bool = False
+    """Keep every `/v1/responses` answer in its engine's memory, so that a request can
+    continue it by `previous_response_id` (vLLM's VLLM_ENABLE_RESPONSES_API_STORE). vLLM keeps
+    them until the engine restarts: memory grows with every stored response. The router
+    sends a continuation to the engine that stored its predecessor."""
     kv_offload: KVOffloadConfig = Field(default_factory=KVOffloadConfig)
     """The host-memory KV tier (off by default). GPU only: vLLM's CPU build cannot offload."""
     env: dict[str, str] = Field(default_factory=dict)
@@ -537,6 +542,16 @@ class ServeSettings(_Strict):
         return self.ingress_replicas
 
 
+class TracingConfig(_Strict):
+    otlp_endpoint: str | None = None
+    """Where OpenTelemetry spans go: an OTLP/HTTP traces URL (`http://collector:4318/v1/traces`).
+    None (the default): no tracing, at no cost. With it, every request is one trace of the
+    router's and the engine's spans (rayattn/metrics/tracing.py), parented by the client's W3C
+    `traceparent` where it sends one."""
+    service_name: str = "rayattn"
+    """The spans' service.name."""
+
+
 class RayAttnConfig(_Strict):
     """Root of a rayattn Serve application's settings: its `args:`, with `router` taken from
     the router deployment's `user_config` where the Serve config gives one."""
@@ -558,6 +573,8 @@ class RayAttnConfig(_Strict):
     version: changing them restarts every replica)."""
     serve: ServeSettings = Field(default_factory=ServeSettings)
     """Ray Serve deployment settings."""
+    tracing: TracingConfig = Field(default_factory=TracingConfig)
+    """OpenTelemetry traces of each request through router and engine (off by default)."""
 
     @model_validator(mode="after")
     def _events_need_publishers(self) -> RayAttnConfig:

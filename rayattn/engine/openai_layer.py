@@ -34,11 +34,15 @@ _rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Con
 
 class OpenAILayer:
     def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
-                 report: Callable[[], dict[str, Any]], args: Any = None) -> None:
+                 report: Callable[[], dict[str, Any]], args: Any = None,
+                 tracing: Any = None) -> None:
         self.chat = state.openai_serving_chat
         self.completion = state.openai_serving_completion
+        # /v1/responses (vLLM builds it only where the engine generates).
+        self.responses = getattr(state, "openai_serving_responses", None)
         self.models = state.openai_serving_models
         self.identity, self.metrics, self.report = identity, metrics, report
+        self.tracing = tracing  # rayattn/metrics/tracing.py, None when off
         # LoRA adapters by served name (vLLM's static lora_modules): labels in the metrics.
         self.adapters = {m.name for m in getattr(args, "lora_modules", None) or ()}
         # Render once: the router has rendered the prompt already (its block hashes come
@@ -49,10 +53,11 @@ class OpenAILayer:
     @classmethod
     async def create(cls, engine: Any, engine_kwargs: dict[str, Any],
                      frontend: dict[str, Any], identity: dict[str, Any], metrics: Any,
-                     report: Callable[[], dict[str, Any]]) -> OpenAILayer:
+                     report: Callable[[], dict[str, Any]],
+                     tracing: Any = None) -> OpenAILayer:
         args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
         state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
-        return cls(state, identity, metrics, report, args)
+        return cls(state, identity, metrics, report, args, tracing)
 
     async def list_models(self) -> dict[str, Any]:
         return (await self.models.show_available_models()).model_dump()
@@ -80,8 +85,13 @@ class OpenAILayer:
         given = req.engine_inputs if self.takes_rendered else None
         _rendered.set(given)
         obs.rendered_by_router = given is not None
-        serving = self.chat.create_chat_completion if req.kind == "chat" \
-            else self.completion.create_completion
+        serving = {"chat": self.chat.create_chat_completion,
+                   "completion": self.completion.create_completion,
+                   "responses": getattr(self.responses, "create_responses", None)}[req.kind]
+        if serving is None:
+            yield Reply(_error_json(404, "this engine serves no /v1/responses"), 404,
+                        final=True)
+            return
         # Closing this generator cancels the call, which aborts the engine request. A
         # non-streamed request's engine outputs come only at the end (vLLM's FINAL_ONLY),
         # so its one item is the whole answer.
@@ -93,6 +103,8 @@ class OpenAILayer:
         if hasattr(result, "model_dump_json"):
             yield self._final(req, obs, result.model_dump_json())
             return
+        if req.kind == "responses":
+            result = _responses_sse(result)
         async for item in self._stream(req, obs, result):
             yield item
 
@@ -125,6 +137,18 @@ class OpenAILayer:
                       timings=obs.timings, served_by=self.identity,
                       rendered_by_router=obs.rendered_by_router, **self.report())
         t = obs.timings
+        if t and req.trace and self.tracing is not None:
+            model = req.body.get("model")
+            try:
+                self.tracing.engine_spans(req.trace, t, {
+                    "rayattn.request_id": req.request_id, "rayattn.path": t["path"],
+                    "rayattn.replica": str(self.identity.get("engine")),
+                    "rayattn.adapter": model if model in self.adapters else "",
+                    "gen_ai.usage.prompt_tokens": obs.prompt_tokens,
+                    "rayattn.cached_tokens": obs.num_cached_tokens,
+                    "gen_ai.usage.completion_tokens": obs.completion_tokens}, time.time())
+            except Exception:  # tracing must never fail a request
+                log.exception("recording the request's spans failed")
         if t and req.log:
             log.info("request %s: %s, prompt %d tokens (%d cached), %d generated, ttft "
                      "%.3fs, e2e %.3fs", req.request_id, t["path"], obs.prompt_tokens,
@@ -138,6 +162,17 @@ class OpenAILayer:
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply
+
+
+async def _responses_sse(events: Any) -> AsyncIterator[str]:
+    """vLLM's Responses stream events as `vllm serve` sends them: `event: <type>` then the
+    event's JSON."""
+    try:
+        async for e in events:
+            yield (f"event: {getattr(e, 'type', 'unknown')}\n"
+                   f"data: {e.model_dump_json(indent=None, by_alias=True)}\n\n")
+    finally:
+        await events.aclose()
 
 
 def _error_json(status: int, message: str) -> str:

@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 @dataclass
 class OpenAIRequest:
-    kind: Literal["chat", "completion"]
+    kind: Literal["chat", "completion", "responses"]
     body: dict[str, Any]
     """The client's JSON body, validated by the router with vLLM's own request model; its
     `request_id` is the request's id (x-request-id), which vLLM prefixes into the engine
@@ -26,6 +26,9 @@ class OpenAIRequest:
     """vLLM's engine inputs (token ids) as the router's renderer made them from `body`: the
     engine serves them instead of rendering the body again (server/rendering.py says when
     the router sends them)."""
+    trace: dict[str, str] | None = None
+    """W3C trace context of the router's span for this request (tracing on): the engine's
+    spans join that trace."""
 
 
 @dataclass

@@ -52,6 +52,9 @@ class EngineReplica:
 
         self.replica_id, self.rank = _serve_identity()
         self.cfg, self.plan = cfg, plan
+        from rayattn.metrics import tracing
+
+        self.tracing = tracing.make(cfg.tracing, "engine")
         self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id, self.rank)
                         if metrics_enabled else None)
         kwargs = dict(plan.engine_kwargs)
@@ -148,6 +151,8 @@ class EngineReplica:
         # shutdown): stop the engine core now rather than leaving it to the watcher.
         if getattr(self, "kv_mirror", None) is not None:
             self.kv_mirror.close()
+        if getattr(self, "tracing", None) is not None:
+            self.tracing.shutdown()  # the last batch of spans goes out
         engine = getattr(self, "engine", None)
         if engine is not None:
             try:
@@ -206,7 +211,7 @@ class EngineReplica:
                     self.engine, self.plan.engine_kwargs, frontend,
                     {"engine": self.replica_id, "rank": self.rank,
                      "pid": os.getpid()},
-                    self.metrics, self._inflight_report)
+                    self.metrics, self._inflight_report, self.tracing)
             return self._openai_layer
 
     async def models(self, target: str | None = None) -> dict[str, Any]:

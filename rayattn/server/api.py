@@ -42,6 +42,10 @@ class Router(Ingress):
     async def completions(self, request: Request):
         return await self.handle(request, "completion")
 
+    @app.post("/v1/responses")
+    async def responses(self, request: Request):
+        return await self.handle(request, "responses")
+
     @app.get("/v1/models")
     async def list_models(self, request: Request):
         return await self.models(request)

@@ -52,7 +52,8 @@ KV_RECHECK_S = 0.5
 
 def _max_tokens(body: dict[str, Any]) -> int:
     """The output a request may add to the cache (cache-pressure admission)."""
-    n = body.get("max_completion_tokens") or body.get("max_tokens")
+    n = body.get("max_completion_tokens") or body.get("max_tokens") or \
+        body.get("max_output_tokens")
     return n if isinstance(n, int) and n > 0 else DEFAULT_OUTPUT_TOKENS
 
 
@@ -276,7 +277,8 @@ class Dispatcher:
                 turn = (tenant, ticket)
                 candidates = await (self._kv_admitted(route, tried, wait_until, turn)
                                     if self.core.settings["kv_admission"]
-                                    else self._candidates(tried, wait_until, turn))
+                                    else self._candidates(tried, wait_until, turn,
+                                                          route.pinned))
                 d = self.core.choose(route, candidates, retry=attempt > 0)
                 tried.add(d.replica)
                 if req.log:
@@ -330,10 +332,11 @@ class Dispatcher:
                 self.metrics.e2e.observe(time.monotonic() - t0, self.metrics.base)
 
     async def _candidates(self, tried: set[str], wait_until: float,
-                          turn: tuple[str, int]) -> list[str]:
+                          turn: tuple[str, int], pinned: str | None = None) -> list[str]:
         """Live replicas (untried ones first) below this router's per-engine cap of
         serve.max_ongoing_requests; waits here, in the router, while all are at the cap or
-        the request's key at its own, and takes its turn fairly among keys (FairQueue)."""
+        the request's key at its own, and takes its turn fairly among keys (FairQueue).
+        `pinned`: the one replica that holds what the request continues."""
         cap = self.cfg.serve.max_ongoing_requests
         woken = False
         while True:
@@ -346,6 +349,16 @@ class Dispatcher:
             if not live:
                 self._reject(503)
                 raise APIError(503, "no engine replica is ready", retry_after=5)
+            if pinned is not None:
+                live = [r for r in live if r == pinned and r not in tried]
+                if not live and pinned in self.fleet.members and pinned not in tried \
+                        and time.monotonic() < wait_until:
+                    await asyncio.sleep(0.1)  # a missed probe: it may be up again
+                    continue
+                if not live:
+                    raise APIError(404, "the engine replica that stored the previous "
+                                        "response is gone, and its state with it",
+                                   param="previous_response_id")
             fresh = [r for r in live if r not in tried] or live
             open_ = [r for r in fresh if self.core.load.local.get(r, 0) < cap]
             if open_ and self.fair.may_go(*turn):
@@ -365,7 +378,7 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                candidates = await self._candidates(tried, wait_until, turn)
+                candidates = await self._candidates(tried, wait_until, turn, route.pinned)
                 if not self.core.settings["kv_admission"]:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)

@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -21,6 +21,7 @@ from rayattn import compat
 from rayattn.config.loader import parse_models
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
+from rayattn.routing.response_homes import ResponseHomes
 from rayattn.server import limits
 from rayattn.server.dispatch import Dispatcher, Slot
 from rayattn.server.errors import (
@@ -54,6 +55,10 @@ class Ingress:
         # Router settings and the router's own serve settings are shared by every model.
         self.cfg = cfgs[0]
         self.keys = Keys.from_env(self.cfg.router)
+        self.response_homes = ResponseHomes()
+        from rayattn.metrics import tracing
+
+        self.tracing = tracing.make(self.cfg.tracing, "router")
 
     @property
     def dispatchers(self) -> list[Dispatcher]:
@@ -130,6 +135,27 @@ class Ingress:
 
     async def handle(self, request: Request, kind: str) -> Response:
         request.state.arrived = Arrival(time.perf_counter(), time.time())
+        if self.tracing is None:
+            return await self._handle(request, kind)
+        span = self.tracing.tracer.start_span(
+            "rayattn.request", context=self.tracing.context_from(request.headers),
+            start_time=int(request.state.arrived.wall * 1e9),
+            attributes={"rayattn.kind": kind, "http.route": request.url.path})
+        request.state.span = span
+        try:
+            response = await self._handle(request, kind)
+        except BaseException:
+            span.end()
+            raise
+        span.set_attribute("http.status_code", response.status_code)
+        response.headers.update(self.tracing.carrier(span))
+        if isinstance(response, _Stream):
+            response.on_close = span.end  # when the last event is out
+        else:
+            span.end()
+        return response
+
+    async def _handle(self, request: Request, kind: str) -> Response:
         try:
             rid = request_id(request)
         except APIError as e:
@@ -160,7 +186,23 @@ class Ingress:
         except APIError as e:
             slot.release()
             return e.response()
-        data["request_id"] = rid
+        stored: Callable[[Decision], None] | None = None
+        pinned = None
+        if kind == "responses":
+            # vLLM's id of the answer is the request id: a new one per request (a client's
+            # x-request-id may repeat across a conversation's turns; vLLM's store would mix
+            # them), unless the body names its own.
+            if "request_id" not in data:
+                data["request_id"] = body.request_id = f"resp_{uuid.uuid4().hex}"
+            home = self.response_homes.home(body.previous_response_id) \
+                if body.previous_response_id else None
+            pinned = home[1] if home and home[0] == model.name else None
+            response_id = body.request_id
+
+            def stored(d: Decision) -> None:
+                self.response_homes.stored(response_id, model.name, d.replica)
+        else:
+            data["request_id"] = rid
         stream = bool(body.stream)
         dispatcher = model.dispatcher
         oreq = OpenAIRequest(kind, data, rid, dispatcher.stream_interval_s(),
@@ -169,6 +211,12 @@ class Ingress:
         route = dispatcher.core.request(
             prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text,
             salt=body.cache_salt, adapter=model.adapter(body.model))
+        route.pinned = pinned
+        span = getattr(request.state, "span", None)
+        if span is not None:
+            span.set_attribute("rayattn.request_id", rid)
+            span.set_attribute("rayattn.model", body.model or model.name)
+            oreq.trace = self.tracing.carrier(span)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
         arrived = request.state.arrived
         account = self._is_admin(request)
@@ -191,13 +239,19 @@ class Ingress:
                 slot.release()
                 await items.aclose()
                 return _passthrough(first, decision, account)
+            if stored is not None:
+                stored(decision)
+            self._route_span(span, decision, arrived)
             return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
                            items, media_type="text/event-stream",
                            headers=_replica_header(decision, account))
-        return await self._complete(dispatcher, oreq, route, arrived, slot, account, tenant)
+        return await self._complete(dispatcher, oreq, route, arrived, slot, account, tenant,
+                                     stored, span)
 
     async def _complete(self, dispatcher: Dispatcher, req: OpenAIRequest, route: Any,
-                        arrived: Arrival, slot: Slot, account: bool, tenant: str) -> Response:
+                        arrived: Arrival, slot: Slot, account: bool, tenant: str,
+                        stored: Callable[[Decision], None] | None = None,
+                        span: Any = None) -> Response:
         last, decision = None, None
         try:
             async with asyncio.timeout(self.cfg.router.request_timeout_s):
@@ -213,8 +267,11 @@ class Ingress:
             slot.release()
         if last is None or decision is None:
             return failed_request(None, self.cfg.router.request_timeout_s).response()
+        self._route_span(span, decision, arrived)
         if last.status != 200:
             return _passthrough(last, decision, account)
+        if stored is not None:
+            stored(decision)
         # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
         body = _add_key(last.data, _ext(last, decision, arrived, last.stamps)) if account \
             else last.data
@@ -243,6 +300,23 @@ class Ingress:
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
+
+    def _route_span(self, parent: Any, d: Decision, arrived: Arrival) -> None:
+        """The router's own part of a traced request: from its arrival to the engine call,
+        with the decision's account."""
+        if parent is None or self.tracing is None or not d.dispatched_at:
+            return
+        from opentelemetry import trace
+
+        start = arrived.wall
+        span = self.tracing.tracer.start_span(
+            "rayattn.route", context=trace.set_span_in_context(parent),
+            start_time=int(start * 1e9), attributes={
+                "rayattn.replica": d.replica, "rayattn.route_reason": d.reason,
+                "rayattn.predicted_cached_tokens": d.predicted_cached_tokens,
+                "rayattn.regret_tokens": d.regret_tokens,
+                "rayattn.moved_from": d.moved_from or ""})
+        span.end(end_time=int((start + d.dispatched_at - arrived.perf) * 1e9))
 
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:
@@ -364,6 +438,7 @@ class _Stream(StreamingResponse):
                  **kw: Any) -> None:
         super().__init__(content, **kw)
         self._slot, self._upstream = slot, upstream
+        self.on_close: Callable[[], Any] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
@@ -371,6 +446,8 @@ class _Stream(StreamingResponse):
         finally:
             await self._upstream.aclose()
             self._slot.release()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -18,6 +18,8 @@ from rayattn.server.errors import APIError, client_error, error_response
 from rayattn.server.rendering import PromptRenderer, Rendered
 
 log = logging.getLogger("rayattn.ingress")
+# The body field that holds each kind's prompt (named in errors about it).
+PROMPT_FIELD = {"chat": "messages", "completion": "prompt", "responses": "input"}
 
 
 class ModelRoute:
@@ -72,12 +74,12 @@ class ModelRoute:
         try:
             out = await renderer.render(kind, body)
         except compat.client_error_types() as e:  # vLLM's: prompt too long, bad template…
-            raise client_error(e, "messages" if kind == "chat" else "prompt") from None
+            raise client_error(e, PROMPT_FIELD[kind]) from None
         except Exception as e:
-            raise render_failure(e, "messages" if kind == "chat" else "prompt") from None
+            raise render_failure(e, PROMPT_FIELD[kind]) from None
         if not isinstance(out, Rendered):
             raise error_response(out)
-        if not out.token_ids:
+        if not out.token_ids and kind != "responses":  # a continuation is not rendered
             raise APIError(400, "the prompt is empty", param="prompt")
         return out
 

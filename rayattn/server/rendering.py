@@ -72,6 +72,8 @@ class PromptRenderer:
             text = "\n".join(_text(m.get("content")) for m in request.messages
                              if isinstance(m, dict))
             reusable = self._chat_reusable and not request.echo
+        elif kind == "responses":
+            return await self._render_responses(request)
         else:
             inputs = await self._vllm.render_completion(request)
             if isinstance(inputs, compat.openai_model("error")):
@@ -81,6 +83,21 @@ class PromptRenderer:
             reusable = not request.echo
         return Rendered(compat.prompt_token_ids(inputs[0]) if inputs else [], text,
                         _reusable(inputs) if reusable else None)
+
+
+    async def _render_responses(self, request: Any) -> Rendered | Any:
+        """A Responses request's prompt, for routing only: the engine renders it again with
+        the conversation it stored. A continuation (`previous_response_id`) is not rendered
+        here (its history is in one engine's memory, where the router pins it), nor is
+        anything where the installed vLLM's renderer has no Responses rendering."""
+        render = getattr(self._vllm, "render_responses", None)
+        if request.previous_response_id is not None or render is None:
+            return Rendered([], "", None)
+        out = await render(request)
+        if isinstance(out, compat.openai_model("error")):
+            return out
+        text = request.input if isinstance(request.input, str) else ""
+        return Rendered(compat.prompt_token_ids(out.engine_input), text, None)
 
 
 def _text(content: Any) -> str:

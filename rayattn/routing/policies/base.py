@@ -42,6 +42,8 @@ class RouteRequest:
     """The LoRA adapter the request runs under (None: the base model)."""
     salt: str | None = None
     """Its cache namespace (vLLM's `cache_salt`), hashed into its first block."""
+    pinned: str | None = None
+    """The only replica that can serve it (it continues state kept in that engine)."""
 
 
 @dataclass
