@@ -349,13 +349,18 @@ def placement(cfg: RayAttnConfig) -> tuple[list[dict[str, float]], str]:
     """One bundle per GPU (the first also holds the replica actor); CPUs only on `cpu`."""
     plat = cfg.platform
     if plat.kind == "cpu":
-        return [{"CPU": plat.cpus_per_engine}], "STRICT_PACK"
+        bundles: list[dict[str, float]] = [{"CPU": plat.cpus_per_engine}]
+        if cfg.serve.engine_node_resource:
+            bundles[0][cfg.serve.engine_node_resource] = 0.001
+        return bundles, "STRICT_PACK"
     n = cfg.parallelism.gpus_per_replica
-    bundles: list[dict[str, float]] = [{"GPU": 1.0, "CPU": plat.cpus_per_engine}
-                                       for _ in range(n)]
+    bundles = [{"GPU": 1.0, "CPU": plat.cpus_per_engine} for _ in range(n)]
     if plat.accelerator_type:
         # Ray's per-node accelerator resource keeps replicas on the intended GPU model.
         bundles[0][f"accelerator_type:{plat.accelerator_type}"] = 0.001
+    if cfg.serve.engine_node_resource:
+        # A node declaring 1 of it takes up to 1000 replicas: only its own model's.
+        bundles[0][cfg.serve.engine_node_resource] = 0.001
     return bundles, cfg.serve.placement_strategy
 
 

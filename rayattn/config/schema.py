@@ -505,6 +505,10 @@ class ServeSettings(_Strict):
     (no thread hand-off per request and per streamed chunk; the fastest hop while the
     router is not saturated). `separate`: Ray Serve's default, a second loop in its own
     thread, so Serve's control calls are answered even while the router's loop is busy."""
+    engine_node_resource: str | None = None
+    """A custom Ray resource this model's engine replicas need, so they run only on nodes
+    that declare it. `rayattn render-k8s` sets it for each model of a multi-model
+    application and gives each model a KubeRay worker group declaring its own."""
     router_node_resource: str | None = None
     """A custom Ray resource the router replicas need, so they run only on nodes that
     declare it. The manifests of `rayattn render-k8s` declare it on the head alone, the only

@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from rayattn.config.loader import load_serve_config, rayattn_apps
+from rayattn.config.loader import app_args, load_serve_config, parse_models, rayattn_apps
 from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
 
 RAY_VERSION = "2.60.0"
@@ -58,6 +58,12 @@ def node_range(plans: list[Plan]) -> tuple[int, int]:
 
 API_KEYS_SECRET = "rayattn-api-keys"
 ROUTER_RESOURCE = "rayattn_router"
+ENGINE_RESOURCE_PREFIX = "rayattn_engine_"
+
+
+def engine_resource(model: str) -> str:
+    """The custom resource of one model's worker group (several models in one app)."""
+    return ENGINE_RESOURCE_PREFIX + "".join(c if c.isalnum() else "_" for c in model.lower())
 """Declared by the head alone; the routers need it (serve.router_node_resource)."""
 SERVE_PORT = 8000
 DASHBOARD_PORT = 8265
@@ -113,8 +119,14 @@ def serve_config_for_pod(serve_config: dict) -> dict:
     sc["proxy_location"] = "HeadOnly"
     for app in sc.get("applications", []):
         if str(app.get("import_path", "")).startswith("rayattn."):
-            serve = app.setdefault("args", {}).setdefault("serve", {})
-            serve["router_node_resource"] = ROUTER_RESOURCE
+            args = app.setdefault("args", {})
+            args.setdefault("serve", {})["router_node_resource"] = ROUTER_RESOURCE
+            if "models" in args:
+                # Each model's engines on its own worker group.
+                for entry, cfg in zip(args["models"], parse_models(app_args(app)),
+                                      strict=True):
+                    entry.setdefault("serve", {})["engine_node_resource"] = \
+                        engine_resource(cfg.model.name)
     return sc
 
 
@@ -131,6 +143,43 @@ def worker_memory_gib(plans: list[Plan]) -> tuple[int, int]:
     return min(max(1024, need), limit), limit
 
 
+def _worker_group(resource: str | None, plans: list[Plan], image: str,
+                  labels: dict[str, str]) -> dict:
+    """A GPU worker group for `plans`' engines; `resource`: the custom resource its nodes
+    declare, which one model's engines need (serve.engine_node_resource)."""
+    plan = plans[0]
+    plat = plan.config.platform
+    per_node = plat.gpus_per_node
+    acc = plat.accelerator_type or "MI300X"
+    min_nodes, max_nodes = node_range(plans)
+    mem_request, mem_limit = worker_memory_gib(plans)
+    group = f"{acc.lower()}-workers" if resource is None else \
+        f"{acc.lower()}-{resource.removeprefix(ENGINE_RESOURCE_PREFIX)}"
+    declared = {f"accelerator_type:{acc}": 1, **({resource: 1} if resource else {})}
+    return {
+        "groupName": group,
+        "replicas": min_nodes, "minReplicas": min_nodes, "maxReplicas": max_nodes,
+        "numOfHosts": 1,
+        "rayStartParams": {"num-gpus": str(per_node),
+                           "metrics-export-port": str(METRICS_PORT),
+                           "resources": json.dumps(declared)},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                "containers": [_container("ray-worker", image, plan, {
+                    "requests": {"cpu": "96", "memory": f"{mem_request}Gi",
+                                 "amd.com/gpu": str(per_node)},
+                    "limits": {"cpu": "128", "memory": f"{mem_limit}Gi",
+                               "amd.com/gpu": str(per_node)},
+                }, [{"containerPort": METRICS_PORT, "name": "metrics"}], gpu=True)],
+                "volumes": _volumes(SHM_GIB.get(acc, 64)),
+                "nodeSelector": {PRODUCT_LABEL: PRODUCTS.get(acc, acc)},
+                "tolerations": [{"key": "amd.com/gpu", "operator": "Exists",
+                                 "effect": "NoSchedule"}],
+            }},
+    }
+
+
 def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE) -> dict:
     apps = rayattn_apps(serve_config)
     plans = [build_plan(cfg) for _, cfg in apps]
@@ -138,13 +187,10 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     plat = plan.config.platform
     if plat.kind != "rocm":
         raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
-    per_node = plat.gpus_per_node
     min_nodes, max_nodes = node_range(plans)
     # With engine autoscaling, Ray's autoscaler adds a worker node when Serve's new replica
     # cannot be placed and removes one left idle; without it the group is fixed.
     elastic = max_nodes > min_nodes
-    acc = plat.accelerator_type or "MI300X"
-    mem_request, mem_limit = worker_memory_gib(plans)
     # No Ray Client port: it runs arbitrary code, and nothing here uses it.
     head_ports = [{"containerPort": 6379, "name": "gcs-server"},
                   {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
@@ -167,28 +213,14 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                 "volumes": _volumes(8),
             }},
     }
-    worker = {
-        "groupName": f"{acc.lower()}-workers",
-        "replicas": min_nodes, "minReplicas": min_nodes, "maxReplicas": max_nodes,
-        "numOfHosts": 1,
-        "rayStartParams": {"num-gpus": str(per_node),
-                           "metrics-export-port": str(METRICS_PORT),
-                           "resources": json.dumps({f"accelerator_type:{acc}": 1})},
-        "template": {
-            "metadata": {"labels": labels},
-            "spec": {
-                "containers": [_container("ray-worker", image, plan, {
-                    "requests": {"cpu": "96", "memory": f"{mem_request}Gi",
-                                 "amd.com/gpu": str(per_node)},
-                    "limits": {"cpu": "128", "memory": f"{mem_limit}Gi",
-                               "amd.com/gpu": str(per_node)},
-                }, [{"containerPort": METRICS_PORT, "name": "metrics"}], gpu=True)],
-                "volumes": _volumes(SHM_GIB.get(acc, 64)),
-                "nodeSelector": {PRODUCT_LABEL: PRODUCTS.get(acc, acc)},
-                "tolerations": [{"key": "amd.com/gpu", "operator": "Exists",
-                                 "effect": "NoSchedule"}],
-            }},
-    }
+    # One worker group per model of a multi-model application (its engines need the
+    # group's resource), one shared group for the rest.
+    groups: dict[str | None, list[Plan]] = {}
+    for (app_name, cfg), p in zip(apps, plans, strict=True):
+        groups.setdefault(engine_resource(cfg.model.name) if "/" in app_name else None,
+                          []).append(p)
+    workers = [_worker_group(resource, group, image, labels) for resource, group in
+               groups.items()]
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "rayattn",
@@ -210,7 +242,7 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                     # A GPU node that held a drained replica goes after 10 idle minutes
                     # (a new one takes minutes to join and load the model).
                     "idleTimeoutSeconds": 600, "upscalingMode": "Default"}} if elastic else {}),
-                "headGroupSpec": head, "workerGroupSpecs": [worker]},
+                "headGroupSpec": head, "workerGroupSpecs": workers},
         },
     }
 

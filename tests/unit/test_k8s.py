@@ -190,3 +190,51 @@ def test_routers_need_the_node_resource_engines_do_not(rendered):
     # Without the setting (serve run on one machine) routers go anywhere.
     cfg.serve.router_node_resource = None
     assert "resources" not in router_options(cfg)["ray_actor_options"]
+
+
+def _two_models() -> dict:
+    """llama.yaml's application serving Llama and Qwen3 side by side."""
+    sc = yaml.safe_load((ROOT / "deployments" / "llama.yaml").read_text())
+    qwen = yaml.safe_load((ROOT / "deployments" / "qwen3.yaml").read_text())
+    app = sc["applications"][0]
+    args = app["args"]
+    qargs = qwen["applications"][0]["args"]
+    args["models"] = [{"model": args.pop("model")},
+                      {"model": qargs["model"], "attention": qargs.get("attention", {}),
+                       "parallelism": qargs.get("parallelism", {})}]
+    app["deployments"] = [d for d in app.get("deployments") or [] if d["name"] != "engine"]
+    app["deployments"] += [{"name": "engine-llama-3.3-70b", "num_replicas": 2},
+                           {"name": "engine-qwen3-235b", "num_replicas": 1}]
+    return sc
+
+
+def test_each_model_of_a_multi_model_app_gets_its_own_worker_group():
+    from rayattn.k8s.render import render_rayservice
+
+    svc = render_rayservice(_two_models(), "two")
+    groups = svc["spec"]["rayClusterConfig"]["workerGroupSpecs"]
+    declared = {g["groupName"]: json.loads(g["rayStartParams"]["resources"]) for g in groups}
+    assert len(groups) == 2, declared
+    by_resource = {next(k for k in r if k.startswith("rayattn_engine_")): g
+                   for g, r in declared.items()}
+    assert set(by_resource) == {"rayattn_engine_llama_3_3_70b", "rayattn_engine_qwen3_235b"}
+    # The pods' Serve config sends each model's engines to its own group only.
+    for name, cfg in rayattn_apps(yaml.safe_load(svc["spec"]["serveConfigV2"])):
+        resource = cfg.serve.engine_node_resource
+        assert resource in by_resource and resource in build_plan(cfg).bundles[0], name
+    # Each group is sized for its own model's replicas (2 of Llama, 1 of Qwen3).
+    from rayattn.k8s.render import worker_nodes
+
+    nodes = {g["groupName"]: g["minReplicas"] for g in groups}
+    plans = {n: build_plan(c) for n, c in rayattn_apps(_two_models())}
+    for model, replicas in (("llama-3.3-70b", 2), ("qwen3-235b", 1)):
+        group = by_resource["rayattn_engine_" + model.replace("-", "_").replace(".", "_")]
+        assert nodes[group] == worker_nodes(plans[f"rayattn/{model}"], replicas) >= 1
+
+
+@needs_crds
+def test_a_multi_model_rayservice_is_valid_against_kuberay_crds():
+    from rayattn.k8s.render import render_rayservice
+
+    svc = render_rayservice(_two_models(), "two")
+    jsonschema.validate(svc, crd_schema("ray.io_rayservices.yaml"))
