@@ -33,6 +33,8 @@ from rayattn.config.schema import RayAttnConfig
 APP_IMPORT_PATH = "rayattn.app:build_app"
 ROUTER_DEPLOYMENT = "router"
 ENGINE_DEPLOYMENT = "engine"
+# Sections one router applies to all its models: set once, beside `models`.
+ROUTER_WIDE = ("router", "tracing")
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -71,13 +73,25 @@ def model_args(args: dict[str, Any]) -> list[dict[str, Any]]:
     for i, entry in enumerate(entries):
         if not isinstance(entry, dict):
             raise ConfigError(f"models.{i}: a model config (model, engine, …)")
-        if "router" in entry:
-            raise ConfigError(f"models.{i}.router: the router is shared; set it beside "
-                              "`models` (or in the router deployment's user_config)")
+        for key in ROUTER_WIDE:
+            if key in entry:
+                raise ConfigError(f"models.{i}.{key}: shared by every model of the router; "
+                                  "set it beside `models`")
         out.append(_merged(shared, entry))
-    names = [parse_args(a).model.name for a in out]
+    cfgs = []
+    for i, a in enumerate(out):
+        try:
+            cfgs.append(parse_args(a))
+        except ConfigError as e:
+            raise ConfigError("\n".join(f"models.{i}.{line}" for line in str(e).splitlines())) \
+                from None
+    names = [c.model.name for c in cfgs]
     if len(set(names)) != len(names):
         raise ConfigError(f"models: served names must be distinct, got {names}")
+    deployments = [engine_deployment(c, True) for c in cfgs]
+    if len(set(deployments)) != len(deployments):
+        raise ConfigError(f"models: served names {names} give engine deployments "
+                          f"{deployments}; make them differ in letters or digits")
     return out
 
 
@@ -127,8 +141,9 @@ def app_args(app: dict[str, Any]) -> dict[str, Any]:
     if "models" not in args:
         return _with_replicas(args, deployments.get(ENGINE_DEPLOYMENT))
     entries = model_args(args)
+    several = len(entries) > 1  # as rayattn.app names the deployments
     args["models"] = [_with_replicas(entry, deployments.get(
-        engine_deployment(parse_args(merged), True)))
+        engine_deployment(parse_args(merged), several)))
         for entry, merged in zip(args["models"], entries, strict=True)]
     return args
 

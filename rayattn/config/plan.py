@@ -201,6 +201,7 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
                  "enable_chunked_prefill is false")
     p += _check_kv_formats(cfg, arch)
     p += _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
+    p += _check_declared_once(cfg)
     p += _check_frontend(cfg.model)
     return p
 
@@ -259,6 +260,21 @@ def _check_frontend(m: Any) -> list[str]:
     if t is not None and not any(c in t for c in "{}\n") and not Path(t).expanduser().is_file():
         p.append(f"model.chat_template: {t!r} is neither a file nor a Jinja template")
     return p
+
+
+# Set through the config's own fields (the router prices what they say): refused where the
+# escape hatches would set them a second time.
+_OWN_KWARGS = {"enable_lora": "model.lora", "max_loras": "model.lora.max_loras",
+               "max_cpu_loras": "model.lora.max_cpu_loras",
+               "max_lora_rank": "model.lora.max_lora_rank"}
+_OWN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "engine.responses_store"}
+
+
+def _check_declared_once(cfg: RayAttnConfig) -> list[str]:
+    e = cfg.engine
+    return ([f"engine.extra_engine_kwargs: {k!r} is set by {f}" for k, f in _OWN_KWARGS.items()
+             if k in e.extra_engine_kwargs]
+            + [f"engine.env: {k} is set by {f}" for k, f in _OWN_ENV.items() if k in e.env])
 
 
 def _check_extra_kwargs(extra: dict[str, Any]) -> list[str]:

@@ -13,11 +13,8 @@ no tracer exists and no request pays anything.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Mapping
 from typing import Any
-
-from rayattn.config.schema import TracingConfig
 
 log = logging.getLogger("rayattn.tracing")
 
@@ -26,8 +23,8 @@ EXPORT_EVERY_MS = 1000
 
 
 class Tracing:
-    def __init__(self, cfg: TracingConfig, role: str) -> None:
-        """`role`: `router` or `engine` (the service.instance's part of the name)."""
+    def __init__(self, endpoint: str, service_name: str, role: str) -> None:
+        """`endpoint`: OTLP/HTTP traces URL; `role`: `router` or `engine`."""
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -35,9 +32,9 @@ class Tracing:
         from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
         self.provider = TracerProvider(resource=Resource.create(
-            {"service.name": cfg.service_name, "rayattn.role": role}))
+            {"service.name": service_name, "rayattn.role": role}))
         self.provider.add_span_processor(BatchSpanProcessor(
-            OTLPSpanExporter(endpoint=cfg.otlp_endpoint),
+            OTLPSpanExporter(endpoint=endpoint),
             schedule_delay_millis=EXPORT_EVERY_MS))
         self.tracer = self.provider.get_tracer("rayattn")
         self.propagator = TraceContextTextMapPropagator()
@@ -80,13 +77,11 @@ class Tracing:
             log.exception("tracing shutdown failed")
 
 
-def make(cfg: TracingConfig, role: str) -> Tracing | None:
-    return Tracing(cfg, role) if cfg.otlp_endpoint else None
+def make(cfg: Any, role: str) -> Tracing | None:
+    """From the config's `tracing` section (schema.TracingConfig): None when it is off."""
+    return Tracing(cfg.otlp_endpoint, cfg.service_name, role) if cfg.otlp_endpoint else None
 
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
-
-def wall_ns() -> int:
-    return time.time_ns()

@@ -73,20 +73,19 @@ def prepare_generated(arch: str, out: Path) -> Path:
     from rayattn.models.tiny import make_tiny_model
 
     stamp = {"generated": arch, "format": 1}
-    marker = out / _MARKER
-    if marker.exists() and json.loads(marker.read_text()) == stamp:
+    if _stamped(out, stamp):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".prep-"))
     try:
         make_tiny_model(arch, tmp)
         (tmp / _MARKER).write_text(json.dumps(stamp))
-        if out.exists() and not marker.exists():
-            shutil.rmtree(out, ignore_errors=True)
+        if out.exists() and not _stamped(out, stamp):
+            shutil.rmtree(out, ignore_errors=True)  # partial, or of an older format
         try:
             tmp.rename(out)
-        except OSError:
-            if not marker.exists():
+        except OSError:  # another process was first
+            if not _stamped(out, stamp):
                 raise
     finally:
         if tmp.exists():
@@ -132,3 +131,10 @@ def prepare_smollm2(out: Path) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _stamped(out: Path, stamp: dict) -> bool:
+    try:
+        return json.loads((out / _MARKER).read_text()) == stamp
+    except (OSError, ValueError):
+        return False

@@ -1,10 +1,11 @@
 """Which LoRA adapters each engine replica holds and runs, as this router has seen it.
 
-vLLM loads an adapter into an engine on its first request and keeps up to `max_cpu_loras`
-of them (least recently used goes first); one batch runs at most `max_loras` distinct
-adapters, and a request for another one waits for a slot. The router cannot ask the engines
-for this, but it sent every request that made them load: it replays vLLM's LRU over what it
-dispatched, and counts the adapters in flight per replica.
+An engine loads the configured adapters in order at start-up (vLLM's static LoRA modules)
+and keeps up to `max_cpu_loras` of them, least recently used going first: the last ones
+loaded stay. A request for one it dropped loads it again. One batch runs at most `max_loras`
+distinct adapters, and a request for another one waits for a slot. The engines publish
+neither, but the router knows the start-up order and sent every request that made them
+load: it replays vLLM's LRU over both, and counts the adapters in flight per replica.
 """
 
 from __future__ import annotations
@@ -31,6 +32,12 @@ class AdapterResidency:
         if not running or adapter in running:
             return False
         return len(running) >= self.slots
+
+    def joined(self, replica: str, preloaded: list[str]) -> None:
+        """A (re)started replica: what its engine loaded at start-up, in that order."""
+        self.forget(replica)
+        if self.cached:
+            self._loaded[replica] = OrderedDict.fromkeys(preloaded[-self.cached:])
 
     def dispatched(self, replica: str, adapter: str | None) -> None:
         if adapter is None or not self.cached:

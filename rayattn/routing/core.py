@@ -170,7 +170,7 @@ class RoutingCore:
             return False
         self.index.remove_replica(name)  # a rejoining replica starts as empty as its cache
         self.index.add_replica(name, capacity_blocks)
-        self.adapters.forget(name)
+        self.adapters.joined(name, list(self.adapter_paths))
         self.routable[name] = capacity_blocks
         self.kv.joined(name, capacity_blocks * self.block_size, host_tier)
         if device:

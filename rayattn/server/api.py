@@ -60,6 +60,11 @@ class Router(Ingress):
         # need the admin key where keys are configured.
         return await self.health(request)
 
+    def __del__(self) -> None:
+        # Serve calls this when the replica stops: the last batch of spans goes out.
+        if getattr(self, "tracing", None) is not None:
+            self.tracing.shutdown()
+
     async def reconfigure(self, router: dict[str, Any]) -> None:
         # async: Serve then runs it on the replica's event loop, where the KV feeds live.
         self.apply_router_config(router)

@@ -33,7 +33,7 @@ from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.server.background import detached
-from rayattn.server.errors import APIError, EngineFailure, engine_raised
+from rayattn.server.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
 from rayattn.server.kv_feeds import KVFeeds
 from rayattn.server.loop_watch import LoopWatch
 from rayattn.server.pinning import PinnedHandle
@@ -94,10 +94,38 @@ class RouterSnapshot:
     session_moves: dict[str, int] = field(default_factory=dict)
 
 
+@dataclass
+class Gates:
+    """What limits the router as a whole, whichever model a request names: its admission
+    cap (router.max_inflight), each key's rate and fair share, and the watch on its event
+    loop. One set per router, shared by its models' dispatchers."""
+
+    admission: Admission
+    rates: RateLimits
+    fair: FairQueue
+    stalls: LoopWatch
+
+    @classmethod
+    def of(cls, rc: RouterConfig) -> Gates:
+        return cls(Admission(rc.max_inflight), RateLimits(rc.key_requests_per_s),
+                   FairQueue(rc.key_max_inflight), LoopWatch())
+
+    def apply(self, rc: RouterConfig) -> None:
+        self.admission.limit = rc.max_inflight
+        self.rates.rate, self.fair.key_cap = rc.key_requests_per_s, rc.key_max_inflight
+        self.fair.wake_all()
+
+    def counts(self) -> dict[str, float]:
+        return {"admitted_now": self.admission.inflight, "admitted_peak": self.admission.peak,
+                **self.stalls.counts()}
+
+
 class Dispatcher:
     def __init__(self, cfg: RayAttnConfig, block_size: int, engines: Any,
-                 metrics: bool = True, adapters: dict[str, str] | None = None) -> None:
-        """`adapters`: the engines' LoRA adapters, name: path (Plan.adapters)."""
+                 metrics: bool = True, adapters: dict[str, str] | None = None,
+                 gates: Gates | None = None) -> None:
+        """`adapters`: the engines' LoRA adapters, name: path (Plan.adapters); `gates`:
+        the router's own, where it routes several models (else this dispatcher's)."""
         self.cfg = cfg
         lora = cfg.model.lora
         # `origin` names this router in the engines' per-origin in-flight counts.
@@ -115,15 +143,14 @@ class Dispatcher:
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
-        self.admission = Admission(cfg.router.max_inflight)
-        self.rates = RateLimits(cfg.router.key_requests_per_s)
-        self.fair = FairQueue(cfg.router.key_max_inflight)
+        self.gates = gates or Gates.of(cfg.router)
+        self.admission, self.rates = self.gates.admission, self.gates.rates
+        self.fair, self.stalls = self.gates.fair, self.gates.stalls
         self.counts: dict[str, float] = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0,
                                          "engine_crashes": 0, "quarantined": 0,
                                          "kv_held": 0, "kv_held_s": 0.0}
         self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
         self._metrics_task: asyncio.Task | None = None
-        self.stalls = LoopWatch()
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -179,9 +206,7 @@ class Dispatcher:
                 self.feeds.join(name, r.info.kv_events, r.info.kv_events_key, r.handle)
 
     def apply_router_config(self, rc: RouterConfig) -> None:
-        self.admission.limit = rc.max_inflight
-        self.rates.rate, self.fair.key_cap = rc.key_requests_per_s, rc.key_max_inflight
-        self.fair.wake_all()
+        self.gates.apply(rc)
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
         if self.core.reconfigure(rc.model_dump()):
             self._refeed()
@@ -219,9 +244,7 @@ class Dispatcher:
                 info.devices if info else [], cache_view)
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
-                              {**self.counts, "admitted_now": self.admission.inflight,
-                               "admitted_peak": self.admission.peak,
-                               **self.stalls.counts()}, engines,
+                              {**self.counts, **self.gates.counts()}, engines,
                               core.regret_tokens, core.session_moves)
 
     def stream_interval_s(self) -> float:
@@ -259,15 +282,17 @@ class Dispatcher:
         non-streaming response needs anyway). Otherwise EngineFailure propagates."""
         tried: set[str] = set()
         ticket = self.fair.ticket()
-        prompt = fingerprint(route, self.core.block_size, tenant)
-        if held_s := self.quarantine.refused_for(prompt):
+        # A prompt the router did not render (a Responses continuation: its history is in
+        # one engine) has no identity here, and is not quarantined.
+        prompt = fingerprint(route, self.core.block_size, tenant) if route.token_ids \
+            else None
+        if prompt is not None and (held_s := self.quarantine.refused_for(prompt)):
             self.counts["quarantined"] += 1
             self._reject(422)
             raise APIError(422, "engines crashed while running this prompt "
                                 f"({self.cfg.router.quarantine_after} of them); it is refused "
                                 f"for {held_s:.0f} s more (router.quarantine_after)",
-                           param="messages" if req.kind == "chat" else "prompt",
-                           code="request_quarantined")
+                           param=PROMPT_FIELD[req.kind], code="request_quarantined")
         self.counts["sent"] += 1
         t0 = time.monotonic()
         wait_until = t0 + NO_REPLICA_GRACE_S  # one grace per request, retries included
@@ -313,7 +338,8 @@ class Dispatcher:
                                 type(e).__name__, str(e)[:200])
                     if kind == "engine_crashed":
                         self.counts["engine_crashes"] += 1
-                        self.quarantine.failed(prompt, d.replica)
+                        if prompt is not None:
+                            self.quarantine.failed(prompt, d.replica)
                     if (delivered or attempt == self.cfg.router.max_retries
                             or kind == "engine_crashed"):
                         self.record_failure(e)

@@ -106,3 +106,7 @@ def engine_raised(e: BaseException) -> APIError:
         return APIError(400, f"engine rejected the request: {str(cause)[:500]}",
                         param=getattr(cause, "parameter", None))
     return APIError(500, f"engine error: {type(e).__name__}")
+
+
+PROMPT_FIELD = {"chat": "messages", "completion": "prompt", "responses": "input"}
+"""The body field that holds each kind of request's prompt (named in errors about it)."""

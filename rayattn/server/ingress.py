@@ -19,11 +19,12 @@ from pydantic import ValidationError
 
 from rayattn import compat
 from rayattn.config.loader import parse_models
+from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
 from rayattn.server import limits
-from rayattn.server.dispatch import Dispatcher, Slot
+from rayattn.server.dispatch import Dispatcher, Gates, Slot
 from rayattn.server.errors import (
     APIError,
     EngineFailure,
@@ -48,7 +49,9 @@ class Ingress:
         cfgs = parse_models(args)
         if not isinstance(engines, dict):
             engines = {cfgs[0].model.name: engines}
-        self.routes = {c.model.name: ModelRoute(c, engines[c.model.name]) for c in cfgs}
+        self.gates = Gates.of(cfgs[0].router)
+        self.routes = {c.model.name: ModelRoute(c, engines[c.model.name], self.gates)
+                       for c in cfgs}
         """One per base model, in the config's order (the first answers requests that name
         no model, as `vllm serve` answers them with its first served name)."""
         self._by_model = {n: r for r in self.routes.values() for n in r.cfg.model.served_names}
@@ -73,7 +76,9 @@ class Ingress:
         new = RouterConfig.model_validate(router)
         keys = Keys.from_env(new)  # fails the update (not the requests) when a key is missing
         for route in self.routes.values():
-            # validate_assignment re-checks it against each model's engine part
+            # Checked against every model's engine part before any model takes it.
+            RayAttnConfig.model_validate({**route.cfg.model_dump(), "router": new.model_dump()})
+        for route in self.routes.values():
             route.cfg.router = new
         self.keys = keys
         for d in self.dispatchers:
@@ -96,6 +101,13 @@ class Ingress:
 
     # --- plumbing -----------------------------------------------------------------------
     async def _start(self) -> None:
+        if slow := os.environ.get("RAYATTN_SLOW_CALLBACK_S"):
+            # Diagnosis (bench/gpu/profile_router.sh): asyncio logs every step that holds
+            # this loop longer than this, i.e. what delays every other request.
+            loop = asyncio.get_running_loop()
+            if not loop.get_debug():
+                loop.set_debug(True)
+                loop.slow_callback_duration = float(slow)
         for route in self.routes.values():
             await route.start()
 
@@ -189,18 +201,21 @@ class Ingress:
         stored: Callable[[Decision], None] | None = None
         pinned = None
         if kind == "responses":
-            # vLLM's id of the answer is the request id: a new one per request (a client's
-            # x-request-id may repeat across a conversation's turns; vLLM's store would mix
-            # them), unless the body names its own.
-            if "request_id" not in data:
-                data["request_id"] = body.request_id = f"resp_{uuid.uuid4().hex}"
-            home = self.response_homes.home(body.previous_response_id) \
-                if body.previous_response_id else None
-            pinned = home[1] if home and home[0] == model.name else None
-            response_id = body.request_id
+            # vLLM's id of the answer is the request id: always a new one, named here (a
+            # client's x-request-id may repeat across turns, and an id chosen in the body
+            # could overwrite another tenant's stored conversation).
+            response_id = data["request_id"] = body.request_id = f"resp_{uuid.uuid4().hex}"
+            prev = body.previous_response_id
+            if prev is not None:
+                home = self.response_homes.home(prev)
+                if home is not None and home.tenant != tenant:
+                    slot.release()  # another tenant's: as unknown as it is to vLLM
+                    return APIError(404, f"Response with id '{prev}' not found.",
+                                    param="previous_response_id").response()
+                pinned = home.replica if home and home.model == model.name else None
 
             def stored(d: Decision) -> None:
-                self.response_homes.stored(response_id, model.name, d.replica)
+                self.response_homes.stored(response_id, tenant, model.name, d.replica)
         else:
             data["request_id"] = rid
         stream = bool(body.stream)
@@ -411,7 +426,9 @@ class Ingress:
                  "joined": sum(s.joined for s in snaps.values()), "policy": first.policy,
                  "router_pid": os.getpid(), "limits": {"max_inflight": first.max_inflight},
                  "index": first.index_mode,
-                 "counts": _summed(s.counts for s in snaps.values()),
+                 # The gates' counts are the router's own (one set for all models).
+                 "counts": {**_summed(s.counts for s in snaps.values()),
+                            **self.gates.counts()},
                  "regret_tokens": _summed(s.regret_tokens for s in snaps.values()),
                  "session_moves": _summed(s.session_moves for s in snaps.values()),
                  "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}
@@ -444,10 +461,12 @@ class _Stream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send)
         finally:
-            await self._upstream.aclose()
-            self._slot.release()
-            if self.on_close is not None:
-                self.on_close()
+            try:
+                await self._upstream.aclose()
+            finally:
+                self._slot.release()
+                if self.on_close is not None:
+                    self.on_close()
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

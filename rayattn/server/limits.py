@@ -40,6 +40,16 @@ def check(kind: str, data: dict[str, Any], limits: RequestLimits) -> None:
         if v is not None and len(json.dumps(v)) > limits.max_schema_bytes:
             _refuse(field, f"{len(json.dumps(v))} bytes of structured-output spec exceed "
                            f"router.limits.max_schema_bytes = {limits.max_schema_bytes}")
+    if kind == "responses":
+        # Structured output rides in text.format there.
+        text = data.get("text")
+        if text is not None and len(json.dumps(text)) > limits.max_schema_bytes:
+            _refuse("text", f"{len(json.dumps(text))} bytes of structured-output spec exceed "
+                            f"router.limits.max_schema_bytes = {limits.max_schema_bytes}")
+        if data.get("background"):
+            # vLLM would answer at once and go on generating: work beyond admission, with
+            # no route here to fetch its result.
+            _refuse("background", "background responses are not served; leave it unset")
     prompt = data.get("prompt")
     if kind == "completion" and isinstance(prompt, list) and prompt and \
             not isinstance(prompt[0], int) and len(prompt) > limits.max_prompts:

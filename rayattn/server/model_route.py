@@ -7,30 +7,29 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from typing import Any
 
 from rayattn import compat
 from rayattn.config.plan import build_plan
 from rayattn.config.schema import RayAttnConfig
-from rayattn.server.dispatch import Dispatcher
-from rayattn.server.errors import APIError, client_error, error_response
+from rayattn.server.dispatch import Dispatcher, Gates
+from rayattn.server.errors import PROMPT_FIELD, APIError, client_error, error_response
 from rayattn.server.rendering import PromptRenderer, Rendered
 
 log = logging.getLogger("rayattn.ingress")
-# The body field that holds each kind's prompt (named in errors about it).
-PROMPT_FIELD = {"chat": "messages", "completion": "prompt", "responses": "input"}
 
 
 class ModelRoute:
-    def __init__(self, cfg: RayAttnConfig, engines: Any) -> None:
+    def __init__(self, cfg: RayAttnConfig, engines: Any, gates: Gates | None = None) -> None:
+        """`gates`: the router's admission and fairness, shared by all its models."""
         plan = build_plan(cfg, prepare_model=True)
         self.cfg = cfg
         self.name = cfg.model.name
         self.adapters = plan.adapters
         """LoRA adapters by served name: path (what vLLM hashes into their blocks)."""
         self.engine_kwargs = plan.engine_kwargs
-        self.dispatcher = Dispatcher(cfg, plan.block_size, engines, adapters=plan.adapters)
+        self.dispatcher = Dispatcher(cfg, plan.block_size, engines, adapters=plan.adapters,
+                                     gates=gates)
         self._renderer_building: asyncio.Task[PromptRenderer] | None = None
         self._renderer_built: PromptRenderer | None = None  # once the task is done
         self._models: list[dict[str, Any]] | None = None
@@ -44,12 +43,6 @@ class ModelRoute:
         (a health probe, usually) so that no request waits for it."""
         await self.dispatcher.start()
         if self._renderer_building is None:
-            if slow := os.environ.get("RAYATTN_SLOW_CALLBACK_S"):
-                # Diagnosis (bench/gpu/profile_router.sh): asyncio logs every step that holds
-                # this loop longer than this, i.e. what delays every other request.
-                loop = asyncio.get_running_loop()
-                loop.set_debug(True)
-                loop.slow_callback_duration = float(slow)
             self._renderer_building = asyncio.get_running_loop().create_task(
                 PromptRenderer.create(self.cfg, self.engine_kwargs))
 

@@ -8,10 +8,10 @@ from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.core import Finished, RoutingCore
 
 BS = 16
-ADAPTERS = {"pirate": "/lora/pirate", "poet": "/lora/poet"}
+ADAPTERS = {"pirate": "/lora/pirate", "poet": "/lora/poet", "sage": "/lora/sage"}
 
 
-def core(slots: int = 1, cached: int = 2, replicas: tuple[str, ...] = ("a", "b")) -> RoutingCore:
+def core(slots: int = 1, cached: int = 1, replicas: tuple[str, ...] = ("a", "b")) -> RoutingCore:
     c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS, adapters=ADAPTERS,
                     adapter_slots=slots, adapters_cached=cached)
     for name in replicas:
@@ -35,11 +35,22 @@ def run(c: RoutingCore, ids: list[int], adapter: str | None) -> str:
 
 
 def test_an_adapters_new_conversations_stay_where_it_is_loaded():
+    """One adapter kept per engine (max_cpu_loras 1): both start holding the last one
+    loaded (sage); pirate's requests stay where the first one loaded it."""
     c = core()
+    assert all(c.adapters.holds(r, "sage") and not c.adapters.holds(r, "pirate")
+               for r in ("a", "b"))
     where = {run(c, prompt(i), "pirate") for i in range(12)}
     assert len(where) == 1
     # The control: the same prompts on the base model spread by their own keys.
     assert len({run(c, prompt(100 + i), None) for i in range(12)}) == 2
+
+
+def test_adapters_every_engine_holds_spread_like_the_base_model():
+    """With room for all adapters (max_cpu_loras 3) every engine loaded them all at start:
+    nothing to keep together."""
+    c = core(cached=3)
+    assert len({run(c, prompt(i), "pirate") for i in range(12)}) == 2
 
 
 def test_the_same_prompt_under_another_adapter_is_not_a_hit():
@@ -54,13 +65,18 @@ def test_the_same_prompt_under_another_adapter_is_not_a_hit():
 
 
 def test_a_busy_slot_costs_more_than_loading_the_adapter_elsewhere():
-    """One adapter per batch (max_loras 1): while `a` runs pirate, a poet request would
-    wait there for a slot, so it goes to `b` and loads poet there, although only `a` holds
-    it; once `a`'s slot is free, poet is cheapest where it is loaded."""
+    """One adapter per batch (max_loras 1), two kept per engine: `a` holds poet and sage,
+    `b` sage and pirate. While `a` runs sage, a poet request would wait there for a slot, so
+    it goes to `b` and loads poet there; once `a`'s slot is free, poet is cheapest where it
+    is loaded."""
     c = core(slots=1, cached=2)
-    c.adapters.dispatched("a", "poet")
-    c.adapters.ended("a", "poet")
-    route = c.request(prompt(1), adapter="pirate")
+    run_on = {"a": None, "b": "pirate"}
+    for replica, adapter in run_on.items():
+        if adapter:
+            c.adapters.dispatched(replica, adapter)
+            c.adapters.ended(replica, adapter)
+    assert c.adapters.holds("a", "poet") and not c.adapters.holds("b", "poet")
+    route = c.request(prompt(1), adapter="sage")
     d = c.choose(route, ["a"])
     c.dispatched(d, route)
     assert c.adapters.waits_for_slot("a", "poet")
@@ -81,8 +97,8 @@ def test_residency_is_vllms_lru_and_a_replica_that_leaves_holds_nothing():
     c = core()
     where = run(c, prompt(1), "pirate")
     c.left(where)
-    assert c.joined(where, BS, 1000)  # back, restarted: its engine loaded nothing yet
-    assert not c.adapters.holds(where, "pirate")
+    assert c.joined(where, BS, 1000)  # back, restarted: its engine loaded what it starts with
+    assert not c.adapters.holds(where, "pirate") and c.adapters.holds(where, "sage")
 
 
 def test_an_unknown_adapter_is_refused_before_routing():

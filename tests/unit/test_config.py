@@ -37,9 +37,16 @@ def test_several_models_share_sections_and_differ_where_an_entry_says():
     from rayattn.config.loader import parse_models
 
     base = {"platform": {"kind": "cpu"}, "engine": {"kv_cache_memory_bytes": 1 << 30}}
-    with pytest.raises(ConfigError, match="models.1.router: the router is shared"):
-        parse_models({**base, "models": [{"model": {"source": "a"}},
-                                         {"model": {"source": "b"}, "router": {}}]})
+    for shared in ("router", "tracing"):
+        with pytest.raises(ConfigError, match=f"models.1.{shared}: shared by every model"):
+            parse_models({**base, "models": [{"model": {"source": "a"}},
+                                             {"model": {"source": "b"}, shared: {}}]})
+    with pytest.raises(ConfigError, match="models.1.engine.max_num_seqs"):
+        parse_models({**base, "models": [{"model": {"source": "a"}}, {
+            "model": {"source": "b"}, "engine": {"max_num_seqs": 0}}]})
+    with pytest.raises(ConfigError, match="give engine deployments"):
+        parse_models({**base, "models": [{"model": {"source": "o/m", "served_name": "o/m"}},
+                                         {"model": {"source": "o-m"}}]})
     with pytest.raises(ConfigError, match="served names must be distinct"):
         parse_models({**base, "models": [{"model": {"source": "x/a"}},
                                          {"model": {"source": "y/a"}}]})
@@ -47,6 +54,27 @@ def test_several_models_share_sections_and_differ_where_an_entry_says():
         parse_models({**base, "models": [
             {"model": {"source": "a", "lora": {"adapters": [{"name": "b", "source": "/l"}]}}},
             {"model": {"source": "b"}}]})
+
+
+def test_engine_settings_rayattn_models_cannot_be_set_twice():
+    args = {**_args("local.yaml"), "engine": {**_args("local.yaml")["engine"],
+                                              "extra_engine_kwargs": {"max_loras": 4},
+                                              "env": {"VLLM_ENABLE_RESPONSES_API_STORE": "1"}}}
+    with pytest.raises(PlanError) as e:
+        build_plan(parse_args(args))
+    assert "'max_loras' is set by model.lora.max_loras" in str(e.value)
+    assert "VLLM_ENABLE_RESPONSES_API_STORE is set by engine.responses_store" in str(e.value)
+
+
+def test_one_models_entry_names_its_engine_deployment_engine():
+    """`rayattn check` reads the replica count from the deployment Serve will create."""
+    from rayattn.config.loader import app_args
+
+    app = {"args": {**_args("local.yaml"), "models": [{"model": _args("local.yaml")["model"]}]},
+           "deployments": [{"name": "engine", "num_replicas": 3}]}
+    del app["args"]["model"]
+    args = app_args(app)
+    assert args["models"][0]["parallelism"]["data_parallel_size"] == 3
 
 
 def _args(name: str) -> dict:

@@ -23,6 +23,8 @@ L = RequestLimits(max_n=4, max_stop=3, max_logit_bias=5, max_schema_bytes=200, m
     ("chat", {"structured_outputs": {"regex": "a" * 300}}, "structured_outputs"),
     ("completion", {"prompt": ["a", "b", "c"]}, "prompt"),
     ("completion", {"prompt": [[1, 2], [3], [4]]}, "prompt"),
+    ("responses", {"text": {"format": {"type": "json_schema", "name": "x",
+                                       "schema": {"enum": ["x" * 50] * 5}}}}, "text"),
 ])
 def test_each_limit_names_its_field(kind, body, field):
     with pytest.raises(APIError) as e:
@@ -40,6 +42,14 @@ def test_each_limit_names_its_field(kind, body, field):
 ])
 def test_within_the_limits_nothing_is_refused(kind, body):
     check(kind, body, L)
+
+
+def test_a_background_response_is_refused_naming_the_field():
+    """vLLM would answer at once and keep generating outside admission."""
+    check("responses", {"input": "hi", "background": False}, L)
+    with pytest.raises(APIError) as e:
+        check("responses", {"input": "hi", "background": True}, L)
+    assert e.value.status == 400 and e.value.param == "background"
 
 
 def test_session_id_length():
