@@ -562,6 +562,13 @@ def block_extra_keys(salt: str | None, adapter: tuple[str, str] | None,
     return keys
 
 
+def lora_admin_model(kind: str) -> type:
+    """vLLM's body of /v1/load_lora_adapter (`load`) or /v1/unload_lora_adapter (`unload`)."""
+    name = {"load": "LoadLoRAAdapterRequest", "unload": "UnloadLoRAAdapterRequest"}[kind]
+    return _first_attr(("vllm.entrypoints.serve.lora.protocol",
+                        "vllm.entrypoints.openai.protocol"), name)
+
+
 def lora_modules(adapters: dict[str, str], base: str) -> list[Any]:
     """vLLM's static LoRA modules (`vllm serve --lora-modules`) for the serving layer."""
     cls = _first_attr(("vllm.entrypoints.openai.models.protocol",

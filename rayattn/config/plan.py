@@ -267,7 +267,8 @@ def _check_frontend(m: Any) -> list[str]:
 _OWN_KWARGS = {"enable_lora": "model.lora", "max_loras": "model.lora.max_loras",
                "max_cpu_loras": "model.lora.max_cpu_loras",
                "max_lora_rank": "model.lora.max_lora_rank"}
-_OWN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "engine.responses_store"}
+_OWN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "engine.responses_store",
+            "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "model.lora.runtime_updates"}
 
 
 def _check_declared_once(cfg: RayAttnConfig) -> list[str]:
@@ -314,6 +315,8 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
     if cfg.engine.responses_store:
         env["VLLM_ENABLE_RESPONSES_API_STORE"] = "1"
+    if cfg.model.lora.runtime_updates:
+        env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.update(cfg.engine.env)
     extra_copy = sorted(k for k in env if k.startswith(backends.RAY_EXTRA_ENV_PREFIXES))
     if extra_copy and cfg.parallelism.gpus_per_replica > 1:

@@ -98,6 +98,11 @@ class LoRAConfig(_Strict):
     request for one that is not there loads it from disk first."""
     max_lora_rank: Literal[8, 16, 32, 64, 128, 256, 320, 512] = 16
     """The largest adapter rank (vLLM preallocates for it; a larger adapter is refused)."""
+    runtime_updates: bool = False
+    """Let admin callers load and unload adapters on the running engines through the
+    router's /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's, with
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING). The router loads each one on every engine of the
+    model, and again on engines that start later."""
 
     @model_validator(mode="after")
     def _distinct(self) -> LoRAConfig:
@@ -110,7 +115,7 @@ class LoRAConfig(_Strict):
 
     @property
     def enabled(self) -> bool:
-        return bool(self.adapters)
+        return bool(self.adapters) or self.runtime_updates
 
     @property
     def cached(self) -> int:

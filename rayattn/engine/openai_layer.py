@@ -62,6 +62,25 @@ class OpenAILayer:
     async def list_models(self) -> dict[str, Any]:
         return (await self.models.show_available_models()).model_dump()
 
+    def adapters_served(self) -> dict[str, str]:
+        """LoRA adapters this engine answers to now: name: path."""
+        return {n: r.lora_path for n, r in getattr(self.models, "lora_requests", {}).items()}
+
+    async def load_adapter(self, name: str, path: str) -> Reply:
+        req = compat.lora_admin_model("load")(lora_name=name, lora_path=path)
+        return self._admin_reply(await self.models.load_lora_adapter(req))
+
+    async def unload_adapter(self, name: str) -> Reply:
+        req = compat.lora_admin_model("unload")(lora_name=name)
+        return self._admin_reply(await self.models.unload_lora_adapter(req))
+
+    @staticmethod
+    def _admin_reply(result: Any) -> Reply:
+        if isinstance(result, compat.openai_model("error")):
+            return Reply(result.model_dump_json(),
+                         int(getattr(result.error, "code", 400) or 400), final=True)
+        return Reply(json.dumps({"message": str(result)}), final=True)
+
     async def serve(self, req: OpenAIRequest) -> AsyncIterator[Reply]:
         received = time.time()
         first = True

@@ -113,5 +113,8 @@ class EngineInfo:
     """The placement group each engine worker runs in (TP/PP > 1: vLLM's Ray workers)."""
     unfinished: int = 0
     """Requests vLLM's output processor still holds."""
+    adapters: dict[str, str] = field(default_factory=dict)
+    """The LoRA adapters its serving layer answers to now, name: path (the configured ones,
+    and those loaded at run time)."""
     inflight_by_origin: dict[str, int] = field(default_factory=dict)
     inflight_stamp: tuple[int, int] | None = None

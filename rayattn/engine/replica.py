@@ -134,7 +134,9 @@ class EngineReplica:
         # (the metrics' dp_rank label keeps the rank this replica started with).
         self.rank = _serve_identity()[1]
         devices = await compat.engine_device_info(self)
+        adapters = (await self._openai()).adapters_served()
         return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
+                          adapters=adapters,
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
@@ -179,6 +181,16 @@ class EngineReplica:
         self._pinned(target)
         if self.kv_mirror is not None:
             self.kv_mirror.admit(router_key.encode())
+
+    async def load_adapter(self, target: str | None, name: str, path: str) -> Reply:
+        """vLLM's run-time LoRA load (model.lora.runtime_updates): its answer, as vLLM's
+        /v1/load_lora_adapter gives it."""
+        self._pinned(target)
+        return await (await self._openai()).load_adapter(name, path)
+
+    async def unload_adapter(self, target: str | None, name: str) -> Reply:
+        self._pinned(target)
+        return await (await self._openai()).unload_adapter(name)
 
     async def reset_prefix_cache(self, target: str | None) -> bool:
         """Empty the prefix cache and the host KV tier behind it (benchmarks compare policies

@@ -46,6 +46,14 @@ class Router(Ingress):
     async def responses(self, request: Request):
         return await self.handle(request, "responses")
 
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(self, request: Request):
+        return await self.lora_admin(request, "load")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(self, request: Request):
+        return await self.lora_admin(request, "unload")
+
     @app.get("/v1/models")
     async def list_models(self, request: Request):
         return await self.models(request)

@@ -75,6 +75,8 @@ class EngineStatus:
     engine_pids: list[int]
     devices: list[str | None]
     cache_view: dict[str, Any]
+    adapters: list[str] = field(default_factory=list)
+    """The LoRA adapters its engine answers to."""
 
 
 @dataclass
@@ -151,6 +153,10 @@ class Dispatcher:
                                          "kv_held": 0, "kv_held_s": 0.0}
         self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
         self._metrics_task: asyncio.Task | None = None
+        self.runtime_adapters: dict[str, str] = {}
+        """LoRA adapters this router loaded at run time (name: path): loaded again on
+        replicas that start later."""
+        self._loading: set[tuple[str, str]] = set()
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -194,6 +200,29 @@ class Dispatcher:
     def _probed(self, r: Replica) -> None:
         assert r.info is not None
         self.core.reported(r.name, r.info.inflight_by_origin, r.info.inflight_stamp)
+        # An adapter's blocks are hashed with the path the engine loaded it from.
+        self.core.adapter_paths.update(r.info.adapters)
+        for name, path in self.runtime_adapters.items():
+            if r.info.adapters.get(name) != path and (r.name, name) not in self._loading:
+                # A replica that started after the adapter was loaded at run time.
+                self._loading.add((r.name, name))
+                detached(self._load_adapter(r, name, path))
+
+    async def _load_adapter(self, r: Replica, name: str, path: str) -> None:
+        try:
+            reply = await r.handle.load_adapter.remote(name, path)
+            if reply.status != 200:
+                log.error("loading LoRA adapter %s on %s failed: %s", name, r.name,
+                          reply.data[:300])
+        except Exception as e:  # the next probe tries again
+            log.warning("loading LoRA adapter %s on %s failed: %r", name, r.name, e)
+        finally:
+            self._loading.discard((r.name, name))
+
+    def serving(self, adapter: str) -> list[str]:
+        """The live replicas whose engines answer to `adapter` now."""
+        return [n for n in self.live()
+                if (info := self.fleet.members[n].info) and adapter in info.adapters]
 
     def _refeed(self) -> None:
         """Every live replica's KV feed afresh (a new index, or a cold start): each resyncs
@@ -241,7 +270,8 @@ class Dispatcher:
                 info.unfinished if info else None, r.downs, r.slow_probes,
                 info.num_gpu_blocks if info else None, info.backend if info else None,
                 info.block_size if info else None, info.engine_pids if info else [],
-                info.devices if info else [], cache_view)
+                info.devices if info else [], cache_view,
+                sorted(info.adapters) if info else [])
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, **self.gates.counts()}, engines,
@@ -303,7 +333,7 @@ class Dispatcher:
                 candidates = await (self._kv_admitted(route, tried, wait_until, turn)
                                     if self.core.settings["kv_admission"]
                                     else self._candidates(tried, wait_until, turn,
-                                                          route.pinned))
+                                                          route.pinned, route.adapter))
                 d = self.core.choose(route, candidates, retry=attempt > 0)
                 tried.add(d.replica)
                 if req.log:
@@ -358,7 +388,8 @@ class Dispatcher:
                 self.metrics.e2e.observe(time.monotonic() - t0, self.metrics.base)
 
     async def _candidates(self, tried: set[str], wait_until: float,
-                          turn: tuple[str, int], pinned: str | None = None) -> list[str]:
+                          turn: tuple[str, int], pinned: str | None = None,
+                          adapter: str | None = None) -> list[str]:
         """Live replicas (untried ones first) below this router's per-engine cap of
         serve.max_ongoing_requests; waits here, in the router, while all are at the cap or
         the request's key at its own, and takes its turn fairly among keys (FairQueue).
@@ -375,6 +406,13 @@ class Dispatcher:
             if not live:
                 self._reject(503)
                 raise APIError(503, "no engine replica is ready", retry_after=5)
+            if adapter is not None:
+                # Only engines that answer to the adapter (one loaded at run time may be
+                # on some of them only).
+                live = [r for r in live if adapter in self.fleet.members[r].info.adapters]
+                if not live:
+                    raise APIError(404, f"The model `{adapter}` does not exist.",
+                                   param="model", code="model_not_found")
             if pinned is not None:
                 live = [r for r in live if r == pinned and r not in tried]
                 if not live and pinned in self.fleet.members and pinned not in tried \
@@ -404,7 +442,8 @@ class Dispatcher:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                candidates = await self._candidates(tried, wait_until, turn, route.pinned)
+                candidates = await self._candidates(tried, wait_until, turn, route.pinned,
+                                                    route.adapter)
                 if not self.core.settings["kv_admission"]:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)

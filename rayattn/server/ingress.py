@@ -130,7 +130,7 @@ class Ingress:
             data["cache_salt"] = salt
         model = data.get("model")
         route = next(iter(self.routes.values())) if model is None else \
-            self._by_model.get(model) if isinstance(model, str) else None
+            self._route_of(model) if isinstance(model, str) else None
         if route is None:
             # vLLM's own answer, given here before the prompt is rendered and routed.
             raise APIError(404, f"The model `{model}` does not exist.", param="model",
@@ -332,6 +332,55 @@ class Ingress:
                 "rayattn.regret_tokens": d.regret_tokens,
                 "rayattn.moved_from": d.moved_from or ""})
         span.end(end_time=int((start + d.dispatched_at - arrived.perf) * 1e9))
+
+    def _route_of(self, model: str) -> ModelRoute | None:
+        """The base model a `model` names: itself, a configured adapter of it, or one
+        loaded at run time."""
+        return self._by_model.get(model) or next(
+            (r for r in self.routes.values() if r.adapter(model) is not None), None)
+
+    async def lora_admin(self, request: Request, action: str) -> Response:
+        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on every engine of the
+        base model (`base_model_name`, else the first): for admin callers, since the path
+        is read on the engines' nodes."""
+        try:
+            self._authorize(request, admin=True)
+            await self._start()
+            data = json.loads(await read_body(request, self.cfg.router.max_body_bytes,
+                                              self.cfg.router.body_timeout_s) or b"{}")
+            if not isinstance(data, dict):
+                raise APIError(400, "request body must be a JSON object")
+            base = data.get("base_model_name")
+            model = self.routes.get(base) if base else next(iter(self.routes.values()))
+            if model is None:
+                raise APIError(404, f"The model `{base}` does not exist.",
+                               param="base_model_name")
+            if not model.cfg.model.lora.runtime_updates:
+                raise APIError(404, f"run-time LoRA updates are off for {model.name} "
+                                    "(model.lora.runtime_updates)")
+            name = data.get("lora_name")
+            if not isinstance(name, str) or not 0 < len(name) <= 128:
+                raise APIError(400, "lora_name: 1 to 128 characters", param="lora_name")
+            if action == "unload":
+                reply = await model.unload_adapter(name)
+            else:
+                path = data.get("lora_path")
+                if not isinstance(path, str) or not path:
+                    raise APIError(400, "lora_path: the adapter's directory on the engines' "
+                                        "nodes", param="lora_path")
+                owner = self._route_of(name)
+                if name in self.routes or (owner is not None and owner is not model):
+                    raise APIError(400, f"lora_name: `{name}` already names a model",
+                                   param="lora_name")
+                reply = await model.load_adapter(name, path)
+        except APIError as e:
+            return e.response()
+        except ValueError as e:  # malformed JSON
+            return APIError(400, f"malformed JSON body: {str(e)[:200]}").response()
+        if reply.status != 200:
+            return Response(reply.data, status_code=reply.status,
+                            media_type="application/json")
+        return Response(json.loads(reply.data)["message"], media_type="text/plain")
 
     async def admin_reset(self, request: Request) -> Response:
         if not self.cfg.router.admin_api:

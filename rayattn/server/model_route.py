@@ -12,6 +12,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.plan import build_plan
 from rayattn.config.schema import RayAttnConfig
+from rayattn.engine.protocol import Reply
 from rayattn.server.dispatch import Dispatcher, Gates
 from rayattn.server.errors import PROMPT_FIELD, APIError, client_error, error_response
 from rayattn.server.rendering import PromptRenderer, Rendered
@@ -35,8 +36,48 @@ class ModelRoute:
         self._models: list[dict[str, Any]] | None = None
 
     def adapter(self, model: str | None) -> str | None:
-        """The LoRA adapter a request's `model` names (None: the base model)."""
-        return model if model in self.adapters else None
+        """The LoRA adapter a request's `model` names (None: the base model): configured,
+        or loaded at run time on some of this model's engines."""
+        return model if model in self.dispatcher.core.adapter_paths else None
+
+    async def load_adapter(self, name: str, path: str) -> Reply:
+        """vLLM's run-time load on every live engine of this model; where one refuses, the
+        others unload it again, and the answer is that refusal."""
+        d = self.dispatcher
+        members = [d.fleet.members[n] for n in d.live()]
+        if not members:
+            raise self.not_ready()
+        replies = await asyncio.gather(*(r.handle.load_adapter.remote(name, path)
+                                         for r in members))
+        failed = next((rep for rep in replies if rep.status != 200), None)
+        if failed is not None:
+            fresh = name not in d.core.adapter_paths
+            await asyncio.gather(*(r.handle.unload_adapter.remote(name)
+                                   for r, rep in zip(members, replies, strict=True)
+                                   if rep.status == 200 and fresh))
+            return failed
+        d.runtime_adapters[name] = d.core.adapter_paths[name] = path
+        for r in members:  # routable at once, not from the next probe on
+            if r.info is not None:
+                r.info.adapters[name] = path
+        self._models = None
+        return replies[0]
+
+    async def unload_adapter(self, name: str) -> Reply:
+        d = self.dispatcher
+        members = [d.fleet.members[n] for n in d.serving(name)]
+        d.runtime_adapters.pop(name, None)
+        if not members:
+            raise APIError(404, f"The LoRA adapter `{name}` is not loaded.",
+                           param="lora_name")
+        replies = await asyncio.gather(*(r.handle.unload_adapter.remote(name)
+                                         for r in members))
+        for r in members:
+            if r.info is not None:
+                r.info.adapters.pop(name, None)
+        d.core.adapter_paths.pop(name, None)
+        self._models = None
+        return next((rep for rep in replies if rep.status != 200), replies[0])
 
     async def start(self) -> None:
         """The fleet view, and vLLM's renderer built in the background from the first call

@@ -254,3 +254,38 @@ def test_one_trace_follows_a_request_through_router_and_engine(multi, otlp, stre
     assert attrs["rayattn.adapter"] == POET
     # The router's own hop ends before the engine's span does.
     assert route.end_time_unix_nano <= engine.end_time_unix_nano <= req.end_time_unix_nano
+
+
+def test_an_adapter_loaded_at_run_time_is_served_on_every_engine_until_unloaded(multi):
+    """vLLM's /v1/load_lora_adapter through the router: every engine of the model loads it,
+    /v1/models lists it, requests for it answer (unlike the base), and after
+    /v1/unload_lora_adapter it is vLLM's 404 again."""
+    from rayattn.models.embedded import resolve_embedded
+    from rayattn.models.lora import resolve_adapter
+
+    path = resolve_adapter("rayattn://random-lora/3",
+                           resolve_embedded("rayattn://smollm2-135m"), prepare=True)
+    sage = "smollm2-sage"
+    bad = [({"lora_name": sage}, "lora_path"), ({"lora_name": TINY, "lora_path": path},
+                                                "lora_name")]
+    for body, field in bad:
+        r = httpx.post(f"{multi}/v1/load_lora_adapter", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    r = httpx.post(f"{multi}/v1/load_lora_adapter", timeout=120,
+                   json={"lora_name": sage, "lora_path": path})
+    assert r.status_code == 200, r.text
+    assert sage in {m["id"] for m in httpx.get(f"{multi}/v1/models", timeout=30)
+                    .json()["data"]}
+    health = httpx.get(f"{multi}/health", timeout=30).json()
+    engines = set(health["models"][BASE]["engines"])
+    assert all(sage in health["engines"][e]["adapters"] for e in engines), health["engines"]
+    q = "What is the capital of France?"
+    served = {chat(multi, sage, q, system=f"{i}")["rayattn"]["replica"] for i in range(4)}
+    assert served <= engines
+    assert chat(multi, sage, q)["choices"][0]["message"]["content"] != \
+        chat(multi, BASE, q)["choices"][0]["message"]["content"]
+    r = httpx.post(f"{multi}/v1/unload_lora_adapter", json={"lora_name": sage}, timeout=60)
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{multi}/v1/chat/completions", timeout=60, json={
+        "model": sage, "messages": [{"role": "user", "content": q}]})
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
