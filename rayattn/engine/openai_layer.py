@@ -34,8 +34,7 @@ _rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Con
 
 class OpenAILayer:
     def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
-                 report: Callable[[], dict[str, Any]], args: Any = None,
-                 tracing: Any = None) -> None:
+                 report: Callable[[], dict[str, Any]], tracing: Any = None) -> None:
         self.chat = state.openai_serving_chat
         self.completion = state.openai_serving_completion
         # /v1/responses (vLLM builds it only where the engine generates).
@@ -43,8 +42,6 @@ class OpenAILayer:
         self.models = state.openai_serving_models
         self.identity, self.metrics, self.report = identity, metrics, report
         self.tracing = tracing  # rayattn/metrics/tracing.py, None when off
-        # LoRA adapters by served name (vLLM's static lora_modules): labels in the metrics.
-        self.adapters = {m.name for m in getattr(args, "lora_modules", None) or ()}
         # Render once: the router has rendered the prompt already (its block hashes come
         # from it), and rendering a long chat again here costs this process's event loop and
         # GIL, which also stream every running request's tokens.
@@ -57,10 +54,15 @@ class OpenAILayer:
                      tracing: Any = None) -> OpenAILayer:
         args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
         state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
-        return cls(state, identity, metrics, report, args, tracing)
+        return cls(state, identity, metrics, report, tracing)
 
     async def list_models(self) -> dict[str, Any]:
         return (await self.models.show_available_models()).model_dump()
+
+    def _adapter(self, model: Any) -> str:
+        """The LoRA adapter a request ran under, configured or loaded at run time ("" for
+        the base model): a label of its metrics and spans."""
+        return model if model in getattr(self.models, "lora_requests", {}) else ""
 
     def adapters_served(self) -> dict[str, str]:
         """LoRA adapters this engine answers to now: name: path."""
@@ -162,7 +164,7 @@ class OpenAILayer:
                 self.tracing.engine_spans(req.trace, t, {
                     "rayattn.request_id": req.request_id, "rayattn.path": t["path"],
                     "rayattn.replica": str(self.identity.get("engine")),
-                    "rayattn.adapter": model if model in self.adapters else "",
+                    "rayattn.adapter": self._adapter(model),
                     "gen_ai.usage.prompt_tokens": obs.prompt_tokens,
                     "rayattn.cached_tokens": obs.num_cached_tokens,
                     "gen_ai.usage.completion_tokens": obs.completion_tokens}, time.time())
@@ -177,7 +179,7 @@ class OpenAILayer:
             try:
                 self.metrics.record_request(t["path"], obs.prompt_tokens,
                                             obs.num_cached_tokens, obs.completion_tokens, t,
-                                            adapter=model if model in self.adapters else "")
+                                            adapter=self._adapter(model))
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply

@@ -219,9 +219,9 @@ class Dispatcher:
         finally:
             self._loading.discard((r.name, name))
 
-    def serving(self, adapter: str) -> list[str]:
-        """The live replicas whose engines answer to `adapter` now."""
-        return [n for n in self.live()
+    def serving(self, adapter: str, among: list[str] | None = None) -> list[str]:
+        """The live replicas (of `among`) whose engines answer to `adapter` now."""
+        return [n for n in (self.live() if among is None else among)
                 if (info := self.fleet.members[n].info) and adapter in info.adapters]
 
     def _refeed(self) -> None:
@@ -409,7 +409,7 @@ class Dispatcher:
             if adapter is not None:
                 # Only engines that answer to the adapter (one loaded at run time may be
                 # on some of them only).
-                live = [r for r in live if adapter in self.fleet.members[r].info.adapters]
+                live = self.serving(adapter, live)
                 if not live:
                     raise APIError(404, f"The model `{adapter}` does not exist.",
                                    param="model", code="model_not_found")

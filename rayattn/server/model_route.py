@@ -26,8 +26,6 @@ class ModelRoute:
         plan = build_plan(cfg, prepare_model=True)
         self.cfg = cfg
         self.name = cfg.model.name
-        self.adapters = plan.adapters
-        """LoRA adapters by served name: path (what vLLM hashes into their blocks)."""
         self.engine_kwargs = plan.engine_kwargs
         self.dispatcher = Dispatcher(cfg, plan.block_size, engines, adapters=plan.adapters,
                                      gates=gates)
