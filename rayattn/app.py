@@ -55,7 +55,9 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
     bundle0 = plan.bundles[0]
     actor: dict[str, Any] = {
         "num_cpus": bundle0.get("CPU", 1),
-        "num_gpus": 1 if plan.gpus_per_replica == 1 else 0,
+        # A replica of one bundle holds its GPUs itself (its engine's processes use them);
+        # with one bundle per GPU, vLLM's Ray workers take them.
+        "num_gpus": bundle0.get("GPU", 0) if len(plan.bundles) == 1 else 0,
         **cfg.serve.ray_actor_options,
     }
     runtime_env = dict(actor.pop("runtime_env", {}) or {})

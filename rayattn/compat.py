@@ -184,6 +184,21 @@ def apply_engine_env(environ: MutableMapping[str, str], platform: str,
     return applied
 
 
+# --- KV events -------------------------------------------------------------------------------
+IPC_EVENT_MARK = "inproc"
+"""In the names of rayattn's IPC event sockets: vLLM derives each DP rank's endpoint from the
+configured one (`dp_rank_endpoint`) by port for tcp and by a name suffix only for endpoints
+it takes for in-process ones, which it recognises by this word."""
+
+
+def dp_rank_endpoint(endpoint: str, rank: int) -> str:
+    """Where DP rank `rank` of an engine publishes the KV events configured at `endpoint`:
+    vLLM's own offsetting, so the engine replica subscribes where each rank binds."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    return ZmqEventPublisher.offset_endpoint_port(endpoint, rank) or endpoint
+
+
 # --- attention-backend facts ----------------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def installed_backend_names() -> frozenset[str] | None:
@@ -268,7 +283,12 @@ async def engine_device_info(replica: Any) -> dict[str, Any]:
     platform = replica.cfg.platform.kind
     out: dict[str, Any] = {"devices": [], "worker_placement_groups": [],
                            "placement_group": _current_placement_group()}
-    if platform != "cpu":
+    par = replica.cfg.parallelism
+    if platform != "cpu" and par.dp_ranks > 1 and par.devices_per_rank == 1:
+        # vLLM's DP client answers collective_rpc with rank 0's workers only; rank r of one
+        # device each runs on the replica's r-th visible device.
+        out["devices"] = local_device_uuids(platform)[:par.dp_ranks]
+    elif platform != "cpu":
         try:
             workers = await replica.engine.collective_rpc("rayattn_device_info")
             out["devices"] = [w.get("uuid") for w in workers]

@@ -7,12 +7,14 @@
 #   bash bench/gpu/run.sh routing     # DP2×TP1 device check, rayattn vs vllm-router, metrics
 #   bash bench/gpu/run.sh placement   # DP1×TP2 (DPn×TP2 with more GPUs) placement-group check
 #   bash bench/gpu/run.sh backends    # extend-path gain per attention backend
+#   bash bench/gpu/run.sh dp-ranks    # one DP-attention replica on 2 GPUs: rank-aware routing
+#                                     # vs vLLM's internal DP balancer (bench/gpu/dp_ranks.py)
 #
 # Results land in $OUT (the device tool copies them back). Sources: rayattn from /tmp/snap when
 # a snapshot was carried there (so a tree edited while the run goes on cannot change it
 # between calls), else from this checkout.
 set -uo pipefail
-step=${1:?usage: run.sh install|routing|placement|backends [args...]}
+step=${1:?usage: run.sh install|routing|placement|backends|dp-ranks [args...]}
 shift
 W=/tmp/rayattn-gpu
 OUT=${OUT:-$W/out}
@@ -70,6 +72,15 @@ backends)
     --runs TRITON_MLA@mla,FLASHMLA@mla,FLASH_ATTN_MLA@mla,FLASH_ATTN@mha,TRITON_ATTN@mha \
     --gpus "$(seq -s, 0 $((NG - 1)))" --timeout-s 300 --deadline-s 250 --out "$OUT" "$@" 2>&1 \
     | tee "$OUT/backends.log" | tail -40
+  ;;
+dp-ranks)
+  # One engine replica holding both GPUs (Ray gives it CUDA_VISIBLE_DEVICES of the two); vLLM
+  # runs a DP rank on each. ~2-3 min start-up, then 6 runs of ~20-40 s each.
+  [ "$NG" -ge 2 ] || { echo "dp-ranks needs 2 GPUs, this node has $NG"; exit 2; }
+  export CUDA_VISIBLE_DEVICES=0,1
+  timeout 585 python3 "$TREE/bench/gpu/dp_ranks.py" --model $W/deepseek-v2-lite --out "$OUT" \
+    --deadline-s 470 "$@" 2>&1 \
+    | tee "$OUT/dp-ranks.log" | grep -v -E "^\s*$|INFO|WARNING|DEBUG" | tail -70
   ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

@@ -5,31 +5,62 @@
 #
 #   echo /.gpuwhl/ >> "$(git rev-parse --git-dir)/info/exclude"
 #   bash bench/gpu/stage.sh [SHARED_GPU_DIR]      # default ../shared/gpu
+#   bash bench/gpu/stage.sh --snapshot-only [--worktree]
+#       only the snapshot again, into the last bundle already staged (wheels untouched);
+#       --worktree: rayattn/, deployments/ and tests/ as the working tree has them (tracked
+#       and untracked files) instead of HEAD's plus the GPU run's own files
 #
 # Then, on nvidia-h200-x2, back to back (the machine goes cold 30 s after a call):
 #   calls 1..N-1 carry [".gpuwhl/bNN"]:  mkdir -p /tmp/gpuwhl && mv .gpuwhl/bNN/* /tmp/gpuwhl/
 #   call N carries the last bundle:      mkdir -p /tmp/gpuwhl && mv .gpuwhl/bNN/* /tmp/gpuwhl/
 #                                        && bash bench/gpu/run.sh install
 #   then (nothing carried):              bash bench/gpu/run.sh routing | placement | backends
+#                                        | dp-ranks
 set -euo pipefail
+snap_only=0 worktree=0
+while [ $# -gt 0 ]; do
+  case $1 in
+  --snapshot-only) snap_only=1 ;;
+  --worktree) worktree=1 ;;
+  *) break ;;
+  esac
+  shift
+done
 shared=${1:-../shared/gpu}
 dir=.gpuwhl
-mkdir -p $dir
-grep -v '^#' "$shared/wheels-vllm0.25-ray2.60.txt" | grep . > $dir/list.txt
-printf 'vllm-router==0.1.17\norjson==3.13.0\n' >> $dir/list.txt
-bash "$shared/stage-wheels.sh" $dir $dir/list.txt 2>&1 | grep -v "^WARNING: Location"
-last=$(ls -d $dir/b[0-9][0-9] | tail -1)
-"${PYTHON:-.venv/bin/python}" "$shared/make_tokenizer.py" "$last/tok"  # needs tokenizers + transformers
+if [ $snap_only = 0 ]; then
+  mkdir -p $dir
+  grep -v '^#' "$shared/wheels-vllm0.25-ray2.60.txt" | grep . > $dir/list.txt
+  printf 'vllm-router==0.1.17\norjson==3.13.0\n' >> $dir/list.txt
+  bash "$shared/stage-wheels.sh" $dir $dir/list.txt 2>&1 | grep -v "^WARNING: Location"
+fi
+last=$(ls -d $dir/b[0-9][0-9] 2>/dev/null | tail -1)
+if [ -z "$last" ] || [ ! -f "$last/MANIFEST" ]; then
+  echo "no staged last bundle in $dir: run bash bench/gpu/stage.sh first" >&2; exit 1
+fi
+if [ $snap_only = 0 ]; then
+  "${PYTHON:-.venv/bin/python}" "$shared/make_tokenizer.py" "$last/tok"  # needs tokenizers + transformers
+fi
 # The committed tree (others may be editing the working tree while the run goes on) plus
-# the GPU run's own files as they are now.
+# the GPU run's own files as they are now; or, with --worktree, the working tree at this
+# moment (what travels is fixed once staged, whatever changes here afterwards).
 snap="$last/snap"
+paths="rayattn deployments pyproject.toml tests/unit tests/__init__.py tests/conftest.py"
 rm -rf "$snap" && mkdir -p "$snap"
-git archive HEAD rayattn deployments pyproject.toml tests/unit tests/__init__.py \
-  tests/conftest.py | tar -x -C "$snap"
-own="rayattn/compat.py rayattn/backends.py rayattn/models/tiny.py deployments/h200.yaml
-     tests/unit/test_backends.py tests/unit/test_placement.py tests/unit/test_compat.py"
-for f in $own; do cp "$f" "$snap/$f"; done
-{ echo "snapshot of $(git rev-parse --short HEAD) + $(echo $own | wc -w) files of the GPU run, $(date -u +%FT%TZ)"
-  git status --short -- $own; } > "$snap/SNAPSHOT.txt"
+if [ $worktree = 1 ]; then
+  # Tracked (as edited) and untracked files, not ignored ones; files deleted here stay out.
+  git ls-files -co --exclude-standard -- $paths | while read -r f; do if [ -f "$f" ]; then echo "$f"; fi; done \
+    | tar -c -T - | tar -x -C "$snap"
+  { echo "snapshot of the working tree on $(git rev-parse --short HEAD), $(date -u +%FT%TZ)"
+    git status --short -- $paths; } > "$snap/SNAPSHOT.txt"
+else
+  git archive HEAD $paths | tar -x -C "$snap"
+  own="rayattn/compat.py rayattn/backends.py rayattn/models/tiny.py deployments/h200.yaml
+       tests/unit/test_backends.py tests/unit/test_placement.py tests/unit/test_compat.py"
+  for f in $own; do cp "$f" "$snap/$f"; done
+  { echo "snapshot of $(git rev-parse --short HEAD) + $(echo $own | wc -w) files of the GPU run, $(date -u +%FT%TZ)"
+    git status --short -- $own; } > "$snap/SNAPSHOT.txt"
+fi
+head -1 "$snap/SNAPSHOT.txt"
 du -sh $dir/b[0-9][0-9]
-cat $dir/PLAN.txt
+[ $snap_only = 1 ] || cat $dir/PLAN.txt

@@ -192,8 +192,11 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
         p.append(f"parallelism.tensor_parallel_size: TP×PP={par.gpus_per_replica} GPUs do not "
                  f"fit one node of platform.gpus_per_node={plat.gpus_per_node} under "
                  "serve.placement_strategy STRICT_PACK")
-    if plat.kind == "cpu" and par.gpus_per_replica > 1:
+    if plat.kind == "cpu" and par.devices_per_rank > 1:
         p.append("parallelism.tensor_parallel_size: rayattn runs CPU engines unsharded (1)")
+    if par.dp_attention and par.engine_dp_size > 1:
+        p.append("parallelism.engine_dp_size: dp_attention already makes the TP ranks the "
+                 "engine's DP ranks; leave engine_dp_size at 1")
     if (cfg.model.max_model_len and cfg.engine.max_num_batched_tokens
             and not cfg.engine.enable_chunked_prefill
             and cfg.engine.max_num_batched_tokens < cfg.model.max_model_len):
@@ -305,7 +308,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     notes: list[str] = []
     env = {**backends.PLATFORM_ENV[plat], **spec.env,
            "PYTHONHASHSEED": cfg.engine.hash_seed, "VLLM_NO_USAGE_STATS": "1"}
-    if cfg.parallelism.gpus_per_replica > 1 and plat != "cpu":
+    if cfg.parallelism.devices_per_rank > 1 and plat != "cpu":
         # TP×PP > 1: vLLM's own Ray executor places the workers in the replica's placement
         # group and sets their device visibility itself, so Ray must not (RAY_EXPERIMENTAL_
         # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
@@ -365,15 +368,21 @@ def default_block_size(platform: str, spec: backends.BackendSpec) -> int:
 
 
 def placement(cfg: RayAttnConfig) -> tuple[list[dict[str, float]], str]:
-    """One bundle per GPU (the first also holds the replica actor); CPUs only on `cpu`."""
-    plat = cfg.platform
+    """One bundle per GPU (the first also holds the replica actor); CPUs only on `cpu`.
+    DP ranks of one device each (dp_attention, engine_dp_size) are one bundle of all their
+    GPUs: vLLM starts those ranks as child processes of the replica, which must hold the
+    devices itself (an actor takes resources from one bundle)."""
+    plat, par = cfg.platform, cfg.parallelism
     if plat.kind == "cpu":
         bundles: list[dict[str, float]] = [{"CPU": plat.cpus_per_engine}]
         if cfg.serve.engine_node_resource:
             bundles[0][cfg.serve.engine_node_resource] = 0.001
         return bundles, "STRICT_PACK"
-    n = cfg.parallelism.gpus_per_replica
-    bundles = [{"GPU": 1.0, "CPU": plat.cpus_per_engine} for _ in range(n)]
+    if par.devices_per_rank == 1:
+        bundles = [{"GPU": float(par.dp_ranks), "CPU": plat.cpus_per_engine}]
+    else:
+        bundles = [{"GPU": 1.0, "CPU": plat.cpus_per_engine}
+                   for _ in range(par.gpus_per_replica)]
     if plat.accelerator_type:
         # Ray's per-node accelerator resource keeps replicas on the intended GPU model.
         bundles[0][f"accelerator_type:{plat.accelerator_type}"] = 0.001
@@ -387,9 +396,7 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
                   prepare_model: bool) -> dict[str, Any]:
     m, e, par = cfg.model, cfg.engine, cfg.parallelism
     local = local_model_dir(m.source, prepare=prepare_model)
-    tp, dp_inner = par.tensor_parallel_size, 1
-    if par.dp_attention:
-        tp, dp_inner = 1, par.tensor_parallel_size
+    tp = 1 if par.dp_attention else par.tensor_parallel_size
     kw: dict[str, Any] = dict(
         model=str(local) if local else m.source,
         served_model_name=[m.name],
@@ -402,7 +409,7 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
         block_size=block_size,
         tensor_parallel_size=tp,
         pipeline_parallel_size=par.pipeline_parallel_size,
-        data_parallel_size=dp_inner,
+        data_parallel_size=par.dp_ranks,
         enable_expert_parallel=par.enable_expert_parallel,
         gpu_memory_utilization=e.gpu_memory_utilization,
         kv_cache_memory_bytes=e.kv_cache_memory_bytes,
@@ -433,8 +440,14 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
             kw["kv_transfer_config"] = {
                 "kv_connector": "OffloadingConnector", "kv_role": "kv_both",
                 "kv_connector_extra_config": {"self_describing_kv_events": True}}
-    if par.gpus_per_replica > 1 or dp_inner > 1:
+    if par.devices_per_rank > 1:
+        # Workers of one rank on several devices: vLLM's Ray executor places them in the
+        # replica's placement group.
         kw["distributed_executor_backend"] = "ray"
+    elif par.dp_ranks > 1:
+        # DP ranks of one device each: vLLM's own processes on the devices Ray gave the
+        # replica (placement()). Inside a Ray actor vLLM would pick its Ray executor for DP.
+        kw["distributed_executor_backend"] = "mp"
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.update(e.extra_engine_kwargs)
     return kw

@@ -198,10 +198,29 @@ class ParallelismConfig(_Strict):
     """DP-attention (ATOM guide): inside one replica attention runs data-parallel across its
     GPUs (vLLM data_parallel_size = TP, tensor_parallel_size = 1) while experts stay
     expert-parallel. Needs enable_expert_parallel and a MoE model."""
+    engine_dp_size: PositiveInt = 1
+    """vLLM's own data parallelism inside each engine replica, for dense models: this many
+    DP ranks (each TP × PP devices, its own scheduler and KV cache) behind the replica's
+    one engine client, as `vllm serve --data-parallel-size` runs them. For MoE models use
+    dp_attention instead, which makes the TP ranks the DP ranks."""
+
+    @property
+    def dp_ranks(self) -> int:
+        """DP ranks inside one engine replica (vLLM data_parallel_size): each keeps its own
+        KV cache, and the router routes to each as a target of its own
+        (router.dp_rank_routing)."""
+        return self.tensor_parallel_size if self.dp_attention else self.engine_dp_size
+
+    @property
+    def devices_per_rank(self) -> int:
+        """Devices one DP rank shards the model across (its TP × PP; 1 per DP-attention
+        rank, whose TP group became the DP ranks)."""
+        return self.pipeline_parallel_size * (1 if self.dp_attention
+                                              else self.tensor_parallel_size)
 
     @property
     def gpus_per_replica(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.devices_per_rank * self.dp_ranks
 
 
 class KVOffloadConfig(_Strict):
@@ -387,6 +406,12 @@ class RouterConfig(_Strict):
     flight, every prompt counted whole (quiet histories wait in the engine's host KV tier;
     admission then mostly runs continuing turns first). `auto`: `running` on engines with
     a host tier (engine.kv_offload), else `live` (docs/gpu.md section 9 measures both)."""
+    dp_rank_routing: bool = True
+    """Engines that run DP ranks inside themselves (parallelism.dp_attention or
+    engine_dp_size): route to each rank as a target of its own, by its own KV events and
+    load, and tell vLLM which rank runs the request. False routes to the engine replica
+    and leaves the rank to vLLM's internal balancer, which weighs queue lengths, not
+    cached prefixes."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2

@@ -21,6 +21,7 @@ import threading
 from collections import Counter, OrderedDict
 from typing import Any, NamedTuple
 
+from rayattn.compat import IPC_EVENT_MARK
 from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
@@ -70,9 +71,10 @@ def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
 
 def private_ipc_endpoints() -> tuple[str, str, str]:
     """(directory, publisher, replay) for vLLM's event sockets: IPC files in a fresh
-    directory that only this process's user may enter (mkdtemp makes it 0700)."""
+    directory that only this process's user may enter (mkdtemp makes it 0700). The names
+    let vLLM derive one pair per DP rank (compat.dp_rank_endpoint)."""
     d = tempfile.mkdtemp(prefix="rayattn-kv-")
-    return d, f"ipc://{d}/pub", f"ipc://{d}/replay"
+    return d, f"ipc://{d}/{IPC_EVENT_MARK}-pub", f"ipc://{d}/{IPC_EVENT_MARK}-replay"
 
 
 def node_ip() -> str:

@@ -27,7 +27,9 @@ class Observation:
     """One client request: one engine request, or several for a completion with a list of
     prompts (their counts add up; token ids and timings are the first one's)."""
 
-    def __init__(self) -> None:
+    def __init__(self, dp_rank: int | None = None) -> None:
+        self.dp_rank = dp_rank
+        """The DP rank the router chose for this request (None: vLLM's balancer picks)."""
         self.start = time.monotonic()
         self.first_token_at: float | None = None
         self.prompt_tokens = 0
@@ -84,6 +86,9 @@ class ObservedEngine:
         if obs is not None:
             first_request = obs.requests == 0
             obs.requests += 1
+            if obs.dp_rank is not None:
+                # vLLM's serving layer passes the rank it read from a header (None here).
+                kwargs["data_parallel_rank"] = obs.dp_rank
         async for out in self._engine.generate(*args, **kwargs):
             if obs is not None:
                 try:

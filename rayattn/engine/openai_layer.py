@@ -34,7 +34,7 @@ _rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.Con
 
 class OpenAILayer:
     def __init__(self, state: Any, identity: dict[str, Any], metrics: Any,
-                 report: Callable[[], dict[str, Any]], tracing: Any = None) -> None:
+                 report: Callable[[int | None], dict[str, Any]], tracing: Any = None) -> None:
         self.chat = state.openai_serving_chat
         self.completion = state.openai_serving_completion
         # /v1/responses (vLLM builds it only where the engine generates).
@@ -50,7 +50,7 @@ class OpenAILayer:
     @classmethod
     async def create(cls, engine: Any, engine_kwargs: dict[str, Any],
                      frontend: dict[str, Any], identity: dict[str, Any], metrics: Any,
-                     report: Callable[[], dict[str, Any]],
+                     report: Callable[[int | None], dict[str, Any]],
                      tracing: Any = None) -> OpenAILayer:
         args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
         state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
@@ -101,7 +101,7 @@ class OpenAILayer:
         except ValidationError as e:  # the router validated it already: a version skew
             yield Reply(_error_json(400, str(e.errors()[:3])), 400, final=True)
             return
-        obs = observed.Observation()
+        obs = observed.Observation(req.dp_rank)
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
         given = req.engine_inputs if self.takes_rendered else None
         _rendered.set(given)
@@ -119,7 +119,8 @@ class OpenAILayer:
         result = await serving(request, None)
         if isinstance(result, compat.openai_model("error")):
             status = int(getattr(result.error, "code", 400) or 400)
-            yield Reply(result.model_dump_json(), status, final=True, **self.report())
+            yield Reply(result.model_dump_json(), status, final=True,
+                        **self.report(req.dp_rank))
             return
         if hasattr(result, "model_dump_json"):
             yield self._final(req, obs, result.model_dump_json())
@@ -144,8 +145,8 @@ class OpenAILayer:
                 # item: the router puts its account on the last of those events.
                 if not obs.done and (last_sent is None or obs.outputs <= 1
                                      or now - last_sent >= req.stream_interval_s):
-                    yield Reply("".join(parts), **(self.report() if last_sent is None
-                                                   else {}))
+                    yield Reply("".join(parts), **(self.report(req.dp_rank)
+                                                   if last_sent is None else {}))
                     parts, last_sent = [], now
         finally:
             await events.aclose()  # aborts the engine request if the router went away
@@ -156,7 +157,7 @@ class OpenAILayer:
                       num_cached_tokens=obs.num_cached_tokens,
                       completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
                       timings=obs.timings, served_by=self.identity,
-                      rendered_by_router=obs.rendered_by_router, **self.report())
+                      rendered_by_router=obs.rendered_by_router, **self.report(req.dp_rank))
         t = obs.timings
         if t and req.trace and self.tracing is not None:
             model = req.body.get("model")
@@ -179,7 +180,8 @@ class OpenAILayer:
             try:
                 self.metrics.record_request(t["path"], obs.prompt_tokens,
                                             obs.num_cached_tokens, obs.completion_tokens, t,
-                                            adapter=self._adapter(model))
+                                            adapter=self._adapter(model),
+                                            rank=req.dp_rank or 0)
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply

@@ -29,6 +29,9 @@ class OpenAIRequest:
     trace: dict[str, str] | None = None
     """W3C trace context of the router's span for this request (tracing on): the engine's
     spans join that trace."""
+    dp_rank: int | None = None
+    """The DP rank inside the engine that runs the request (the router's target,
+    routing/targets.py); None lets vLLM's own balancer pick one."""
 
 
 @dataclass
@@ -52,8 +55,9 @@ class Reply:
     """On the final item: the engine's own identity (replica id, rank, pid), so clients
     and tests can check where a request really ran, independently of the router."""
     inflight_by_origin: dict[str, int] | None = None
-    """On the first and the final item: the engine's in-flight requests per sending router
-    at that moment. Fresher than the periodic probe, which under saturation can lag by
+    """On the first and the final item: the in-flight requests per sending router at that
+    moment, of the DP rank the request ran on where the router chose one (else of the whole
+    engine). Fresher than the periodic probe, which under saturation can lag by
     seconds: with several routers a stale report of the others' load fired the guard."""
     inflight_stamp: tuple[int, int] | None = None
     """(engine pid, change counter) of `inflight_by_origin`, so the newest report wins."""
@@ -97,11 +101,8 @@ class EngineInfo:
     max_num_seqs: int
     """Requests the engine runs in one batch (vLLM's scheduler limit)."""
     startup_s: float
-    kv_events: str | None
-    """ZMQ endpoint of the engine's KV events (None: it publishes none): CurveZMQ, open to
-    the routers whose keys the engine admitted (`kv_subscribe`)."""
-    kv_events_key: str | None = None
-    """The relay's CurveZMQ public key (Z85)."""
+    ranks: list[RankInfo]
+    """The engine's DP ranks (one where it runs no DP inside), each with its own KV cache."""
     host_kv_gib: float = 0.0
     """Its host-memory KV tier (engine.kv_offload.size_gib; 0: none)."""
     engine_pids: list[int] = field(default_factory=list)
@@ -117,4 +118,23 @@ class EngineInfo:
     """The LoRA adapters its serving layer answers to now, name: path (the configured ones,
     and those loaded at run time)."""
     inflight_by_origin: dict[str, int] = field(default_factory=dict)
+    """All requests in the engine now, per sending router."""
     inflight_stamp: tuple[int, int] | None = None
+    """(pid, change counter) of the in-flight counts, here and in `ranks`."""
+
+    @property
+    def dp_ranks(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass
+class RankInfo:
+    """One DP rank of an engine: its KV cache's events and the requests pinned to it."""
+
+    kv_events: str | None
+    """ZMQ endpoint of the rank's KV events (None: it publishes none): CurveZMQ, open to
+    the routers whose keys the engine admitted (`kv_subscribe`)."""
+    kv_events_key: str | None = None
+    """The relay's CurveZMQ public key (Z85)."""
+    inflight_by_origin: dict[str, int] = field(default_factory=dict)
+    """Requests the routers pinned to this rank, in flight now, per sending router."""

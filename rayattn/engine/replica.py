@@ -20,7 +20,15 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted, OpenAIRequest, Reply
+from rayattn.engine.kv_mirror import KVMirror
+from rayattn.engine.protocol import (
+    EngineDown,
+    EngineInfo,
+    Misrouted,
+    OpenAIRequest,
+    RankInfo,
+    Reply,
+)
 
 log = logging.getLogger("rayattn.engine")
 
@@ -63,19 +71,15 @@ class EngineReplica:
             kwargs.update(compat.step_metrics_kwargs(self.metrics))
             loggers.append(make_step_logger_factory(self.metrics))
         kwargs.update(compat.device_report_kwargs(cfg.platform.kind, kwargs))
-        self.kv_mirror = None
-        kv_endpoint = None
+        self.dp_ranks = int(kwargs.get("data_parallel_size", 1))
+        self.kv_mirrors: list[KVMirror] = []
+        """One per DP rank: each rank's scheduler publishes its own cache's events."""
         if cfg.engine.kv_events and cfg.engine.enable_prefix_caching:
             # Routers follow this engine's cache from its own events; the mirror (subscribed
             # before the engine publishes anything) is what they resync from.
             from vllm.config import KVEventsConfig
 
-            from rayattn.engine.kv_mirror import (
-                TOPIC,
-                KVMirror,
-                node_ip,
-                private_ipc_endpoints,
-            )
+            from rayattn.engine.kv_mirror import TOPIC, node_ip, private_ipc_endpoints
 
             # vLLM's sockets carry every tenant's token ids: IPC, in a private directory;
             # routers read the mirror's authenticated relay instead (kv_mirror.py).
@@ -83,8 +87,11 @@ class EngineReplica:
             kwargs["kv_events_config"] = KVEventsConfig(
                 enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
                 replay_endpoint=replay, topic=TOPIC)
-            self.kv_mirror = KVMirror(pub, replay, node_ip(), ipc_dir)
-            kv_endpoint = self.kv_mirror.endpoint
+            # The directory goes with rank 0's mirror, the last one closed.
+            self.kv_mirrors = [
+                KVMirror(compat.dp_rank_endpoint(pub, r), compat.dp_rank_endpoint(replay, r),
+                         node_ip(), ipc_dir if r == 0 else None)
+                for r in range(self.dp_ranks)]
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
@@ -97,13 +104,11 @@ class EngineReplica:
             "max_model_len": self.engine.vllm_config.model_config.max_model_len,
             "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
             "startup_s": round(time.monotonic() - t0, 2),
-            "kv_events": kv_endpoint,
-            "kv_events_key": (self.kv_mirror.server_key.decode()
-                              if self.kv_mirror is not None else None),
             "host_kv_gib": (cfg.engine.kv_offload.size_gib if cfg.engine.kv_offload.enabled
                             else 0.0),
         }
-        self._inflight_by_origin: Counter[str] = Counter()
+        self._inflight: Counter[tuple[int | None, str]] = Counter()
+        """Requests in flight by (DP rank the router pinned them to, or None; origin)."""
         # Bumped on every change of the counts: reports taken at different moments (a probe
         # reply, chunks of concurrent requests) reach a router in any order, and it keeps
         # only the newest (routing/load.py).
@@ -135,24 +140,39 @@ class EngineReplica:
         self.rank = _serve_identity()[1]
         devices = await compat.engine_device_info(self)
         adapters = (await self._openai()).adapters_served()
+        report = self._inflight_report()
+        ranks = [RankInfo(m.endpoint if m else None, m.server_key.decode() if m else None,
+                          self._inflight_of(r))
+                 for r, m in enumerate(self.kv_mirrors or [None] * self.dp_ranks)]
         return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
+                          ranks=ranks,
                           adapters=adapters,
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
-                          **self._inflight_report())
+                          **report)
 
-    def _inflight_report(self) -> dict[str, Any]:
-        """This engine's in-flight requests per sending router, stamped (pid, change
-        counter): sent with every probe and on each request's first and final chunk."""
-        return {"inflight_by_origin": dict(self._inflight_by_origin),
+    def _inflight_of(self, rank: int | None) -> dict[str, int]:
+        """In-flight requests per sending router: those pinned to DP rank `rank`, or (None)
+        all of the engine's."""
+        out: Counter[str] = Counter()
+        for (r, origin), n in self._inflight.items():
+            if rank is None or r == rank:
+                out[origin] += n
+        return dict(out)
+
+    def _inflight_report(self, rank: int | None = None) -> dict[str, Any]:
+        """In-flight requests per sending router (of DP rank `rank`, else of the engine),
+        stamped (pid, change counter): sent with every probe and on each request's first
+        and final chunk."""
+        return {"inflight_by_origin": self._inflight_of(rank),
                 "inflight_stamp": (os.getpid(), self._inflight_seq)}
 
     def __del__(self) -> None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
         # shutdown): stop the engine core now rather than leaving it to the watcher.
-        if getattr(self, "kv_mirror", None) is not None:
-            self.kv_mirror.close()
+        for mirror in reversed(getattr(self, "kv_mirrors", [])):
+            mirror.close()
         if getattr(self, "tracing", None) is not None:
             self.tracing.shutdown()  # the last batch of spans goes out
         engine = getattr(self, "engine", None)
@@ -167,20 +187,20 @@ class EngineReplica:
         # actor with a dead engine core must count as unhealthy.
         await self.engine.check_health()
 
-    async def kv_snapshot(self, target: str | None) -> Any:
-        """The blocks this engine caches now and the event sequence number that reflects
-        (routers resync their view of this engine from it)."""
+    async def kv_snapshot(self, target: str | None, rank: int = 0) -> Any:
+        """The blocks DP rank `rank` of this engine caches now and the event sequence number
+        that reflects (routers resync their view of that rank from it)."""
         self._pinned(target)
         from rayattn.routing.kv_events import Snapshot
 
-        return self.kv_mirror.snapshot() if self.kv_mirror is not None else Snapshot(-1, [])
+        return self.kv_mirrors[rank].snapshot() if self.kv_mirrors else Snapshot(-1, [])
 
     async def kv_subscribe(self, target: str | None, router_key: str) -> None:
-        """Admit a router's CurveZMQ public key to this engine's KV event relay (the call
-        comes over Ray, the channel every request already takes)."""
+        """Admit a router's CurveZMQ public key to this engine's KV event relays, one per DP
+        rank (the call comes over Ray, the channel every request already takes)."""
         self._pinned(target)
-        if self.kv_mirror is not None:
-            self.kv_mirror.admit(router_key.encode())
+        for mirror in self.kv_mirrors:
+            mirror.admit(router_key.encode())
 
     async def load_adapter(self, target: str | None, name: str, path: str) -> Reply:
         """vLLM's run-time LoRA load (model.lora.runtime_updates): its answer, as vLLM's
@@ -200,8 +220,9 @@ class EngineReplica:
         # reset on an engine without a connector, which would read as a failed reset.
         done = bool(await self.engine.reset_prefix_cache(
             reset_connector=self.cfg.engine.kv_offload.enabled))
-        if done and self.kv_mirror is not None:
-            self.kv_mirror.reset()
+        if done:
+            for mirror in self.kv_mirrors:
+                mirror.reset()
         return done
 
     async def _openai(self) -> Any:
@@ -239,17 +260,21 @@ class EngineReplica:
             # Distinct from vLLM's EngineDeadError for requests it was running: the router
             # retries this one elsewhere, and not those.
             raise EngineDown(f"engine of {self.replica_id} is dead")
+        if req.dp_rank is not None and not 0 <= req.dp_rank < self.dp_ranks:
+            # A router's stale view (the engine was replaced with fewer ranks): route again.
+            raise Misrouted(f"engine of {self.replica_id} has no DP rank {req.dp_rank}")
         layer = await self._openai()
-        self._inflight_by_origin[req.origin] += 1
+        key = (req.dp_rank, req.origin)
+        self._inflight[key] += 1
         self._inflight_seq += 1
         try:
             async for item in layer.serve(req):
                 yield item
         finally:
-            self._inflight_by_origin[req.origin] -= 1
+            self._inflight[key] -= 1
             self._inflight_seq += 1
-            if self._inflight_by_origin[req.origin] <= 0:
-                del self._inflight_by_origin[req.origin]
+            if self._inflight[key] <= 0:
+                del self._inflight[key]
 
 
 def _serve_identity() -> tuple[str, int]:

@@ -16,13 +16,15 @@ from ray.util import metrics as rm
 # From ~1 ms (MI300X decode steps) to minutes (CPU prefill of long prompts under load).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                    2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84]
-TAGS = ("model", "backend", "replica", "dp_rank")
+# dp_rank: the replica's rank among the engine replicas (rayattn's DP); engine_rank: the DP
+# rank inside the replica's engine (parallelism.dp_attention / engine_dp_size; else 0).
+TAGS = ("model", "backend", "replica", "dp_rank", "engine_rank")
 
 
 class EngineMetrics:
     def __init__(self, model: str, backend: str, replica: str, dp_rank: int) -> None:
         self.tags = {"model": model, "backend": backend, "replica": replica,
-                     "dp_rank": str(dp_rank)}
+                     "dp_rank": str(dp_rank), "engine_rank": "0"}
         # Per path and per LoRA adapter ("" for the base model).
         ptags = (*TAGS, "path", "adapter")
         H, C = rm.Histogram, rm.Counter
@@ -51,7 +53,7 @@ class EngineMetrics:
         self.steps = C("rayattn_steps_total",
                        "Engine steps by mix: decode_only, context_only, mixed",
                        tag_keys=(*TAGS, "mix"))
-        self._step_acc: defaultdict[tuple[str, str], float] = defaultdict(float)
+        self._step_acc: defaultdict[tuple[str, str, int], float] = defaultdict(float)
         self._last_flush = time.monotonic()
         self.info = rm.Gauge("rayattn_engine_info",
                              "1 per engine replica, labelled with its layout",
@@ -64,8 +66,9 @@ class EngineMetrics:
                                        tag_keys=TAGS)
 
     def record_request(self, path: str, prompt_tokens: int, cached: int, generated: int,
-                       timings: dict[str, Any], adapter: str = "") -> None:
-        t = {**self.tags, "path": path, "adapter": adapter}
+                       timings: dict[str, Any], adapter: str = "", rank: int = 0) -> None:
+        tags = self._ranked(rank)
+        t = {**tags, "path": path, "adapter": adapter}
         self.ttft.observe(timings["ttft_s"], t)
         self.prefill.observe(timings["prefill_s"], t)
         self.queue.observe(timings["queue_s"], t)
@@ -73,12 +76,16 @@ class EngineMetrics:
         self.requests.inc(1, t)
         _inc(self.tokens, prompt_tokens - cached, {**t, "kind": "computed"})
         _inc(self.tokens, cached, {**t, "kind": "cached"})
-        _inc(self.tokens, generated, {**self.tags, "path": "decode", "adapter": adapter,
+        _inc(self.tokens, generated, {**tags, "path": "decode", "adapter": adapter,
                                       "kind": "generated"})
         if generated > 1 and timings.get("itl_s") is not None:
-            self.itl.observe(timings["itl_s"], self.tags)
+            self.itl.observe(timings["itl_s"], tags)
 
-    def record_step(self, ctx_tokens: int, dec_tokens: int, seconds: float) -> None:
+    def _ranked(self, rank: int) -> dict[str, str]:
+        return {**self.tags, "engine_rank": str(rank)} if rank else self.tags
+
+    def record_step(self, ctx_tokens: int, dec_tokens: int, seconds: float,
+                    rank: int = 0) -> None:
         """Called once per engine step: accumulate in plain Python and hand the totals to
         Ray's metrics at most once a second, so the per-step cost is a few additions."""
         total = ctx_tokens + dec_tokens
@@ -87,11 +94,11 @@ class EngineMetrics:
         mix = "mixed" if ctx_tokens and dec_tokens else (
             "context_only" if ctx_tokens else "decode_only")
         acc = self._step_acc
-        acc[("steps", mix)] += 1
+        acc[("steps", mix, rank)] += 1
         for part, n in (("context", ctx_tokens), ("decode", dec_tokens)):
             if n:
-                acc[("tokens", part)] += n
-                acc[("seconds", part)] += seconds * n / total
+                acc[("tokens", part, rank)] += n
+                acc[("seconds", part, rank)] += seconds * n / total
         now = time.monotonic()
         if now - self._last_flush >= 1.0:
             self.flush_steps(now)
@@ -99,13 +106,14 @@ class EngineMetrics:
     def flush_steps(self, now: float | None = None) -> None:
         acc, self._step_acc = self._step_acc, defaultdict(float)
         self._last_flush = now or time.monotonic()
-        for (what, label), v in acc.items():
+        for (what, label, rank), v in acc.items():
+            tags = self._ranked(rank)
             if what == "steps":
-                _inc(self.steps, v, {**self.tags, "mix": label})
+                _inc(self.steps, v, {**tags, "mix": label})
             elif what == "tokens":
-                _inc(self.step_tokens, v, {**self.tags, "part": label})
+                _inc(self.step_tokens, v, {**tags, "part": label})
             else:
-                _inc(self.step_seconds, v, {**self.tags, "part": label})
+                _inc(self.step_seconds, v, {**tags, "part": label})
 
 
 def _inc(counter: rm.Counter, value: float, tags: dict[str, str]) -> None:
@@ -129,7 +137,7 @@ def make_step_logger_factory(metrics: EngineMetrics):
             if d is not None and not d.is_dummy:
                 try:
                     self.metrics.record_step(d.num_ctx_tokens, d.num_generation_tokens,
-                                             d.elapsed_ms / 1000)
+                                             d.elapsed_ms / 1000, engine_idx)
                 except Exception:  # a failing stat logger would take vLLM's output loop down
                     pass
 

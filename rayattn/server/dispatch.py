@@ -32,6 +32,7 @@ from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
 from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.quarantine import Quarantine, fingerprint
+from rayattn.routing.targets import replica_of, split, targets
 from rayattn.server.background import detached
 from rayattn.server.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
 from rayattn.server.kv_feeds import KVFeeds
@@ -160,7 +161,18 @@ class Dispatcher:
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
+        """The engine replicas that are up (Serve's names)."""
         return self.fleet.live()
+
+    def _targets(self, r: Replica) -> list[str]:
+        """What the core routes to on replica `r`: each of its engine's DP ranks, or the
+        replica as a whole (routing/targets.py)."""
+        ranks = r.info.dp_ranks if r.info is not None else 1
+        return targets(r.name, ranks if self.core.settings["dp_rank_routing"] else 1)
+
+    def live_targets(self) -> list[str]:
+        """The routing targets of the replicas that are up."""
+        return [t for n in self.fleet.live() for t in self._targets(self.fleet.members[n])]
 
     async def start(self) -> None:
         await self.fleet.start()
@@ -172,7 +184,7 @@ class Dispatcher:
         while True:
             self.feeds.restart_stale()
             if self.metrics is not None:
-                live = self.live()
+                live = self.live_targets()
                 load = self.core.load
                 index = self.core.index
                 self.metrics.load(dict(load.inflight.items()), live, load.imbalance(live),
@@ -181,25 +193,51 @@ class Dispatcher:
             await asyncio.sleep(self.fleet.period_s)
 
     def _joined(self, r: Replica) -> bool:
-        assert r.info is not None
-        # Engines naming the same GPUs share them (two engines on one GPU).
-        device = ",".join(sorted(d for d in r.info.devices if d)) or None
-        if not self.core.joined(r.name, r.info.block_size, r.info.num_gpu_blocks, device,
-                                r.info.max_num_seqs, r.info.host_kv_gib > 0):
-            return False
-        self.feeds.join(r.name, r.info.kv_events, r.info.kv_events_key, r.handle)
+        info = r.info
+        assert info is not None
+        names = self._targets(r)
+        # DP ranks of one device each compute on devices of their own.
+        per = len(info.devices) // len(names) if len(info.devices) % len(names) == 0 else 0
+        for i, name in enumerate(names):
+            devices = info.devices[i * per:(i + 1) * per] if per else info.devices
+            # Engines naming the same GPUs share them (two engines on one GPU).
+            device = ",".join(sorted(d for d in devices if d)) or None
+            if not self.core.joined(name, info.block_size, info.num_gpu_blocks, device,
+                                    info.max_num_seqs, info.host_kv_gib > 0):
+                for joined in names[:i]:
+                    self.core.left(joined)
+                return False
+        self._follow(r)
         self.fair.wake_all()  # room on the new replica
         return True
 
+    def _follow(self, r: Replica) -> None:
+        """Subscribe to the KV events of each of `r`'s targets: a rank's own stream, or the
+        engine's one stream where it runs one rank. A replica routed to as a whole whose
+        engine runs several ranks has no one stream: the router's view of it is what it
+        sent there, for router.speculative_ttl_s (router.dp_rank_routing off)."""
+        assert r.info is not None
+        names = self._targets(r)
+        if len(names) != r.info.dp_ranks:
+            return
+        for rank, (name, info) in enumerate(zip(names, r.info.ranks, strict=True)):
+            self.feeds.join(name, info.kv_events, info.kv_events_key, r.handle, rank)
+
     def _left(self, r: Replica) -> None:
-        if self.metrics is not None:
-            self.metrics.left(r.name)
-        self.feeds.leave(r.name)
-        self.core.left(r.name)
+        for name in self._targets(r):
+            if self.metrics is not None:
+                self.metrics.left(name)
+            self.feeds.leave(name)
+            self.core.left(name)
 
     def _probed(self, r: Replica) -> None:
         assert r.info is not None
-        self.core.reported(r.name, r.info.inflight_by_origin, r.info.inflight_stamp)
+        names = self._targets(r)
+        if len(names) == 1:
+            self.core.reported(r.name, r.info.inflight_by_origin, r.info.inflight_stamp)
+        else:
+            for name, rank in zip(names, r.info.ranks, strict=True):
+                self.core.reported(name, rank.inflight_by_origin, r.info.inflight_stamp)
         # An adapter's blocks are hashed with the path the engine loaded it from.
         self.core.adapter_paths.update(r.info.adapters)
         for name, path in self.runtime_adapters.items():
@@ -222,7 +260,8 @@ class Dispatcher:
     def serving(self, adapter: str, among: list[str] | None = None) -> list[str]:
         """The live replicas (of `among`) whose engines answer to `adapter` now."""
         return [n for n in (self.live() if among is None else among)
-                if (info := self.fleet.members[n].info) and adapter in info.adapters]
+                if (info := self.fleet.members[replica_of(n)].info)
+                and adapter in info.adapters]
 
     def _refeed(self) -> None:
         """Every live replica's KV feed afresh (a new index, or a cold start): each resyncs
@@ -232,12 +271,21 @@ class Dispatcher:
         for name in self.live():
             r = self.fleet.members[name]
             if r.info is not None:
-                self.feeds.join(name, r.info.kv_events, r.info.kv_events_key, r.handle)
+                self._follow(r)
 
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.gates.apply(rc)
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
-        if self.core.reconfigure(rc.model_dump()):
+        if rc.dp_rank_routing != self.core.settings["dp_rank_routing"]:
+            # Other targets on the same replicas: every replica leaves under the old names
+            # and joins under the new ones, with views rebuilt from their engines' events.
+            up = [self.fleet.members[n] for n in self.live()]
+            for r in up:
+                self._left(r)
+            self.core.reconfigure(rc.model_dump())
+            for r in up:
+                r.up = self._joined(r)
+        elif self.core.reconfigure(rc.model_dump()):
             self._refeed()
         if self.metrics is not None:
             self.metrics.set_policy(self.core.policy.name)
@@ -256,26 +304,31 @@ class Dispatcher:
     def snapshot(self) -> RouterSnapshot:
         core: CoreSnapshot = self.core.snapshot()
         engines = {}
-        for n, r in self.fleet.members.items():
-            info, view = r.info, core.routable.get(n)
-            cache_view: dict[str, Any] = {"blocks": view.blocks if view else 0,
-                                          **self.feeds.stats(n)}
-            if view is not None and view.speculative_blocks is not None:
-                cache_view["speculative"] = view.speculative_blocks
-            if view is not None and view.offloaded_blocks:
-                cache_view["offloaded"] = view.offloaded_blocks
-            engines[n] = EngineStatus(
-                r.up, info.pid if info else None, info.rank if info else None,
-                view.inflight if view else 0, view.local if view else 0,
-                info.unfinished if info else None, r.downs, r.slow_probes,
-                info.num_gpu_blocks if info else None, info.backend if info else None,
-                info.block_size if info else None, info.engine_pids if info else [],
-                info.devices if info else [], cache_view,
-                sorted(info.adapters) if info else [])
+        for r in self.fleet.members.values():
+            for n in self._targets(r):
+                engines[n] = self._status(r, n, core)
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, **self.gates.counts()}, engines,
                               core.regret_tokens, core.session_moves)
+
+    def _status(self, r: Replica, n: str, core: CoreSnapshot) -> EngineStatus:
+        """Target `n` of replica `r`, as /health shows it."""
+        info, view = r.info, core.routable.get(n)
+        cache_view: dict[str, Any] = {"blocks": view.blocks if view else 0,
+                                      **self.feeds.stats(n)}
+        if view is not None and view.speculative_blocks is not None:
+            cache_view["speculative"] = view.speculative_blocks
+        if view is not None and view.offloaded_blocks:
+            cache_view["offloaded"] = view.offloaded_blocks
+        return EngineStatus(
+            r.up, info.pid if info else None, info.rank if info else None,
+            view.inflight if view else 0, view.local if view else 0,
+            info.unfinished if info else None, r.downs, r.slow_probes,
+            info.num_gpu_blocks if info else None, info.backend if info else None,
+            info.block_size if info else None, info.engine_pids if info else [],
+            info.devices if info else [], cache_view,
+            sorted(info.adapters) if info else [])
 
     def stream_interval_s(self) -> float:
         """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when
@@ -363,7 +416,7 @@ class Dispatcher:
                             log.error("engine error (not retried): %s: %s", type(e).__name__,
                                       str(e)[:500])
                         raise answer from e
-                    self.fleet.dead(d.replica, e)
+                    self.fleet.dead(replica_of(d.replica), e)
                     log.warning("request %s failed on %s (%s: %s)", req.request_id, d.replica,
                                 type(e).__name__, str(e)[:200])
                     if kind == "engine_crashed":
@@ -397,7 +450,7 @@ class Dispatcher:
         cap = self.cfg.serve.max_ongoing_requests
         woken = False
         while True:
-            live = self.live()
+            live = self.live_targets()
             if not live and self.fleet.members and time.monotonic() < wait_until:
                 # Replicas exist but none is up this instant (a retry right after the last
                 # one was marked down, a probe that missed under load): wait a moment.
@@ -415,7 +468,8 @@ class Dispatcher:
                                    param="model", code="model_not_found")
             if pinned is not None:
                 live = [r for r in live if r == pinned and r not in tried]
-                if not live and pinned in self.fleet.members and pinned not in tried \
+                if not live and replica_of(pinned) in self.fleet.members \
+                        and pinned not in tried \
                         and time.monotonic() < wait_until:
                     await asyncio.sleep(0.1)  # a missed probe: it may be up again
                     continue
@@ -474,7 +528,7 @@ class Dispatcher:
                     tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
-        replica = d.replica
+        replica, req.dp_rank = split(d.replica)
         req.origin = self.core.load.origin
         gen = None
         self.fair.started(tenant)
@@ -496,12 +550,13 @@ class Dispatcher:
                     chunk.stamps.update(router_out=sent, router_in=time.time())
                 self.core.first_token(d)
                 if chunk.inflight_by_origin is not None:
-                    self.core.reported(replica, chunk.inflight_by_origin, chunk.inflight_stamp)
+                    self.core.reported(d.replica, chunk.inflight_by_origin,
+                                       chunk.inflight_stamp)
                 # Learn only from a request that ran (not an error answer).
                 if chunk.final and chunk.timings:
                     if (chunk.prompt_tokens + chunk.completion_tokens
                             - chunk.num_cached_tokens >= self.core.block_size):
-                        self.feeds.expect(replica, sent_mono)  # new blocks: events are due
+                        self.feeds.expect(d.replica, sent_mono)  # new blocks: events are due
                     try:
                         self.core.finished(d, route, Finished(
                             chunk.prompt_tokens, chunk.num_cached_tokens, chunk.token_ids,

@@ -465,7 +465,7 @@ class Ingress:
         ready = all(s.replicas_up for s in snaps.values())
         body: dict[str, Any] = {"status": "ok" if ready else "unavailable",
                                 "reason": None if ready else self._not_ready().message,
-                                "up": len(live), "of": sum(len(s.engines) for s in snaps.values())}
+                                "up": len(live), "of": sum(s.replicas for s in snaps.values())}
         headers = None if ready else {"Retry-After": "5"}
         if not self._is_admin(request):
             # Probes need only the status; pids, GPU ids, replica names and live load are
@@ -482,7 +482,7 @@ class Ingress:
                  "session_moves": _summed(s.session_moves for s in snaps.values()),
                  "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}
         if len(snaps) > 1:
-            body["models"] = {n: {"up": len(s.replicas_up), "of": len(s.engines),
+            body["models"] = {n: {"up": len(s.replicas_up), "of": s.replicas,
                                   "engines": sorted(s.engines)} for n, s in snaps.items()}
         return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
 

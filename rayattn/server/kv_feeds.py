@@ -72,7 +72,8 @@ class KVFeeds:
         secret never leaves this process."""
 
     def join(self, name: str, endpoint: str | None, server_key: str | None,
-             handle: Any) -> None:
+             handle: Any, rank: int = 0) -> None:
+        """Follow target `name`: DP rank `rank` of the engine replica behind `handle`."""
         self.leave(name)
         if self.core.index_mode != "events":
             return
@@ -82,7 +83,7 @@ class KVFeeds:
             return
 
         async def snapshot() -> Snapshot:
-            return await handle.kv_snapshot.remote()
+            return await handle.kv_snapshot.remote(rank)
 
         async def admit() -> None:
             await handle.kv_subscribe.remote(self.keys.public.decode())

@@ -38,13 +38,15 @@ def publisher():
     pub.shutdown()
 
 
-def _handle(mirror: KVMirror) -> SimpleNamespace:
-    """What a router calls on an engine replica (over Ray in a deployment)."""
-    async def snapshot():
-        return mirror.snapshot()
+def _handle(*mirrors: KVMirror) -> SimpleNamespace:
+    """What a router calls on an engine replica (over Ray in a deployment): one mirror per
+    DP rank of its engine."""
+    async def snapshot(rank: int = 0):
+        return mirrors[rank].snapshot()
 
     async def subscribe(key: str):
-        mirror.admit(key.encode())
+        for mirror in mirrors:
+            mirror.admit(key.encode())
 
     return SimpleNamespace(kv_snapshot=SimpleNamespace(remote=snapshot),
                            kv_subscribe=SimpleNamespace(remote=subscribe))
@@ -106,6 +108,57 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
         feed.stop()
 
     asyncio.run(scenario())
+
+
+def test_each_dp_rank_of_an_engine_is_followed_as_a_target_of_its_own():
+    """An engine running two DP ranks: vLLM's publishers of rank 0 and 1 (each announcing its
+    own rank in its batches) on the endpoints vLLM derives from the one configured, one
+    mirror each in the replica, and a router whose targets are the two ranks."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    from rayattn import compat
+    from rayattn.routing.targets import targets
+
+    ipc_dir, pub_ep, replay_ep = private_ipc_endpoints()
+    eps = [(compat.dp_rank_endpoint(pub_ep, r), compat.dp_rank_endpoint(replay_ep, r))
+           for r in range(2)]
+    assert eps[0] == (pub_ep, replay_ep) and len({e for pair in eps for e in pair}) == 4
+    # Constructed as vLLM's scheduler of each rank constructs it: the configured endpoints
+    # and the rank; the publisher offsets them itself.
+    pubs = [ZmqEventPublisher(r, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
+            for r in range(2)]
+    mirrors = [KVMirror(*eps[r], "127.0.0.1", ipc_dir if r == 0 else None) for r in range(2)]
+    time.sleep(0.3)
+    try:
+        _send(pubs[0], _stored([1, 2, 3]))
+        _send(pubs[1], _stored([7, 8]))
+        names = targets("engine-a", 2)
+
+        async def scenario() -> None:
+            core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+            for name in names:
+                assert core.joined(name, 16, 100)
+            feeds = KVFeeds(core)
+            handle = _handle(*mirrors)
+            for rank, name in enumerate(names):
+                m = mirrors[rank]
+                feeds.join(name, m.endpoint, m.server_key.decode(), handle, rank)
+            index = core.index
+            await _until(lambda: index.match([1, 2, 3]) == {names[0]: 3}
+                         and index.match([7, 8]) == {names[1]: 2})
+            # Live: a conversation's next blocks on rank 1 are rank 1's alone.
+            _send(pubs[1], _stored([9]))
+            await _until(lambda: index.match([7, 8, 9]) == {names[1]: 3})
+            assert index.match([1, 2, 3, 9]) == {names[0]: 3}
+            for name in names:
+                feeds.leave(name)
+
+        asyncio.run(scenario())
+    finally:
+        for m in reversed(mirrors):
+            m.close()
+        for p in pubs:
+            p.shutdown()
 
 
 def test_speculative_overlay_expires_and_yields_to_events():

@@ -79,3 +79,36 @@ def test_rocm_platform_env_kept_at_tp1():
     plan = _plan("rocm", tp=1)
     assert plan.env["HIP_FORCE_DEV_KERNARG"] == "1"
     assert plan.env["VLLM_ROCM_USE_AITER"] == "1"
+
+
+@pytest.mark.parametrize("platform", ["rocm", "cuda"])
+@pytest.mark.parametrize("how", ["dp_attention", "engine_dp_size"])
+def test_dp_ranks_of_one_gpu_each_are_one_bundle_the_replica_holds(platform, how):
+    """vLLM starts an engine's DP ranks as child processes of the replica: the replica actor
+    holds all their GPUs (one bundle), Ray sets their visibility, no Ray executor."""
+    args = {"model": {"source": "deepseek-ai/DeepSeek-V3"},
+            "platform": {"kind": platform, "gpus_per_node": 8},
+            "attention": {"backend": "TRITON_MLA"},
+            "parallelism": ({"tensor_parallel_size": 4, "enable_expert_parallel": True,
+                             "dp_attention": True} if how == "dp_attention"
+                            else {"engine_dp_size": 4, "data_parallel_size": 2})}
+    plan = build_plan(parse_args(args))
+    assert plan.engine_kwargs["data_parallel_size"] == 4
+    assert plan.engine_kwargs["tensor_parallel_size"] == 1
+    assert plan.engine_kwargs["distributed_executor_backend"] == "mp"
+    assert plan.bundles == [{"GPU": 4.0, "CPU": 1.0}]
+    assert plan.engines_per_node == 2
+    opts = engine_options(plan)
+    assert opts["ray_actor_options"]["num_gpus"] == 4.0
+    assert not [v for v in ALL_NOSET if v in plan.env]
+
+
+def test_dp_ranks_of_several_gpus_each_keep_one_bundle_per_gpu():
+    args = {"model": {"source": "meta-llama/Llama-3.1-8B-Instruct"},
+            "platform": {"kind": "cuda", "gpus_per_node": 8},
+            "attention": {"backend": "FLASH_ATTN"},
+            "parallelism": {"tensor_parallel_size": 2, "engine_dp_size": 2}}
+    plan = build_plan(parse_args(args))
+    assert len(plan.bundles) == 4 and plan.gpus_per_replica == 4
+    assert plan.engine_kwargs["distributed_executor_backend"] == "ray"
+    assert engine_options(plan)["ray_actor_options"]["num_gpus"] == 0
