@@ -86,7 +86,10 @@ class _Engine:
 
 
 def _replica(platform, engine):
-    cfg = types.SimpleNamespace(platform=types.SimpleNamespace(kind=platform))
+    from rayattn.config.schema import ParallelismConfig
+
+    cfg = types.SimpleNamespace(platform=types.SimpleNamespace(kind=platform),
+                                parallelism=ParallelismConfig())
     return types.SimpleNamespace(cfg=cfg, engine=engine)
 
 
