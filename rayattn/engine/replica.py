@@ -141,9 +141,9 @@ class EngineReplica:
         devices = await compat.engine_device_info(self)
         adapters = (await self._openai()).adapters_served()
         report = self._inflight_report()
-        ranks = [RankInfo(m.endpoint if m else None, m.server_key.decode() if m else None,
-                          self._inflight_of(r))
-                 for r, m in enumerate(self.kv_mirrors or [None] * self.dp_ranks)]
+        ranks = [RankInfo(None, None, self._inflight_of(r)) for r in range(self.dp_ranks)]
+        for rank, mirror in zip(ranks, self.kv_mirrors, strict=False):
+            rank.kv_events, rank.kv_events_key = mirror.endpoint, mirror.server_key.decode()
         return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
                           ranks=ranks,
                           adapters=adapters,

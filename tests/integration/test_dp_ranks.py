@@ -84,6 +84,10 @@ def test_each_rank_is_a_cache_of_its_own_and_runs_what_the_router_sends_it(dp_ap
     assert [s[1] for s in seen[:2]] == [0, 0]
     assert seen[2][1] > 0 and seen[3][1] == seen[2][1]
     assert [s[1] for s in seen] == [s[2] for s in seen]
+    # The prediction came from each rank's own events, not from the router's guess.
+    views = {t: e["cache_view"] for t, e in
+             httpx.get(f"{dp_app}/health", timeout=30).json()["engines"].items()}
+    assert all(v.get("batches", 0) > 0 and v["blocks"] > 0 for v in views.values()), views
 
 
 def test_affinity_keeps_each_conversation_on_its_rank_and_spreads_them(dp_app, ray_cluster):
