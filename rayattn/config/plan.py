@@ -194,6 +194,13 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
                  "serve.placement_strategy STRICT_PACK")
     if plat.kind == "cpu" and par.devices_per_rank > 1:
         p.append("parallelism.tensor_parallel_size: rayattn runs CPU engines unsharded (1)")
+    if par.dp_ranks > 1 and par.devices_per_rank > 1 and plat.kind != "cpu":
+        # vLLM starts each rank's Ray executor with the first TP × PP bundles of the one
+        # placement group (VLLM_RAY_BUNDLE_INDICES is process-wide): the ranks collide.
+        p.append(f"parallelism: DP ranks inside an engine run on one device each here; "
+                 f"{par.dp_ranks} ranks × {par.devices_per_rank} devices (TP × PP) would "
+                 "share one placement group's bundles. Use parallelism.data_parallel_size "
+                 "(engine replicas) for ranks of several devices")
     if par.dp_attention and par.engine_dp_size > 1:
         p.append("parallelism.engine_dp_size: dp_attention already makes the TP ranks the "
                  "engine's DP ranks; leave engine_dp_size at 1")

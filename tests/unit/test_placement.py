@@ -103,12 +103,14 @@ def test_dp_ranks_of_one_gpu_each_are_one_bundle_the_replica_holds(platform, how
     assert not [v for v in ALL_NOSET if v in plan.env]
 
 
-def test_dp_ranks_of_several_gpus_each_keep_one_bundle_per_gpu():
+def test_dp_ranks_of_several_gpus_each_are_refused():
+    """Each rank's Ray executor would take the same bundles of the replica's one placement
+    group: refused with the way out, not started to hang."""
+    from rayattn.config.plan import PlanError
+
     args = {"model": {"source": "meta-llama/Llama-3.1-8B-Instruct"},
             "platform": {"kind": "cuda", "gpus_per_node": 8},
             "attention": {"backend": "FLASH_ATTN"},
             "parallelism": {"tensor_parallel_size": 2, "engine_dp_size": 2}}
-    plan = build_plan(parse_args(args))
-    assert len(plan.bundles) == 4 and plan.gpus_per_replica == 4
-    assert plan.engine_kwargs["distributed_executor_backend"] == "ray"
-    assert engine_options(plan)["ray_actor_options"]["num_gpus"] == 0
+    with pytest.raises(PlanError, match="parallelism.data_parallel_size"):
+        build_plan(parse_args(args))
