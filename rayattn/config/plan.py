@@ -109,7 +109,10 @@ class Plan:
             f"({c.engine.prefix_caching_hash_algo}, PYTHONHASHSEED={c.engine.hash_seed})",
             f"parallel:   TP={c.parallelism.tensor_parallel_size} "
             f"PP={c.parallelism.pipeline_parallel_size} EP={c.parallelism.enable_expert_parallel}"
-            f" DP-attention={c.parallelism.dp_attention}",
+            f" DP-attention={c.parallelism.dp_attention}"
+            + (f", {c.parallelism.dp_ranks} DP ranks per engine (each a routing target: "
+               f"router.dp_rank_routing={c.router.dp_rank_routing})"
+               if c.parallelism.dp_ranks > 1 else ""),
             f"replicas:   {self._replicas_text()} engine replica(s) (DP), "
             f"{c.serve.ingress_replicas} router replica(s), policy={c.router.policy}",
             *self._kv_text(),

@@ -122,6 +122,28 @@ def test_dp_attention_maps_to_vllm_dp_inside_replica():
     assert kw["enable_expert_parallel"] is True
 
 
+def test_engine_dp_size_runs_vllms_dp_inside_one_replica_on_cpu():
+    args = _args("local.yaml")
+    args["parallelism"] = {"engine_dp_size": 2}
+    plan = build_plan(parse_args(args))
+    kw = plan.engine_kwargs
+    assert (kw["data_parallel_size"], kw["tensor_parallel_size"]) == (2, 1)
+    # Inside a Ray actor vLLM would start its DP ranks on its Ray executor, unsupported on
+    # CPU and colliding on GPU bundles.
+    assert kw["distributed_executor_backend"] == "mp"
+    assert "2 DP ranks per engine" in plan.describe()
+
+
+def test_dp_attention_and_engine_dp_size_are_one_setting_too_many():
+    from rayattn.config.plan import PlanError
+
+    args = _args("deepseek.yaml")
+    args["parallelism"].update(enable_expert_parallel=True, dp_attention=True,
+                               engine_dp_size=2)
+    with pytest.raises(PlanError, match="parallelism.engine_dp_size"):
+        build_plan(parse_args(args))
+
+
 def _mutate(name: str, path: str, value) -> dict:
     args = copy.deepcopy(_args(name))
     node = args
