@@ -120,6 +120,20 @@ def prometheus(ray_cluster, tmp_path_factory):
     proc.wait(10)
 
 
+def deploy_own_app(cfg: dict, ray_cluster: dict, what: str) -> str:
+    """Deploy a Serve config of a test's own (replacing the shared app) and wait until
+    every engine serves; the HTTP URL."""
+    from rayattn.app import deploy_config, wait_running
+
+    t0 = time.time()
+    deploy_config(cfg)
+    wait_running(cfg["applications"][0]["name"])
+    url = f"http://127.0.0.1:{ray_cluster['http_port']}"
+    wait_healthy(url)
+    print(f"\n{what} ready in {time.time() - t0:.1f}s")
+    return url
+
+
 @pytest.fixture(scope="session")
 def server(ray_cluster):
     from rayattn.app import deploy_config, wait_running

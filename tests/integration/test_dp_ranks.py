@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from rayattn.routing.targets import split
-from tests.conftest import local_config
+from tests.conftest import deploy_own_app, local_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MODEL = "smollm2"
@@ -25,22 +25,13 @@ DOC = "Notes on block {n}. " + " ".join(f"Rank {{n}} keeps block {i} warm." for 
 
 @pytest.fixture(scope="module")
 def dp_app(ray_cluster):
-    from rayattn.app import deploy_config, wait_running
-    from rayattn.bench.cli import wait_healthy
-
     cfg = local_config()
     app = cfg["applications"][0]
     app["args"]["parallelism"] = {"engine_dp_size": 2}
     for d in app["deployments"]:
         if d["name"] == "engine":
             d["autoscaling_config"].update(min_replicas=1, max_replicas=1)
-    t0 = time.time()
-    deploy_config(cfg)
-    wait_running("rayattn")
-    url = f"http://127.0.0.1:{ray_cluster['http_port']}"
-    wait_healthy(url)
-    print(f"\none engine replica with two DP ranks ready in {time.time() - t0:.1f}s")
-    return url
+    return deploy_own_app(cfg, ray_cluster, "one engine replica with two DP ranks")
 
 
 def reset(url: str, policy: str, **settings) -> None:

@@ -16,7 +16,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, deploy_own_app
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 BASE, PIRATE, POET, TINY = "smollm2", "smollm2-pirate", "smollm2-poet", "tiny-llama"
@@ -70,19 +70,10 @@ def otlp():
 
 @pytest.fixture(scope="module")
 def multi(ray_cluster, otlp):
-    from rayattn.app import deploy_config, wait_running
-    from rayattn.bench.cli import wait_healthy
-
     cfg = yaml.safe_load((ROOT / "deployments" / "local-multi.yaml").read_text())
     # Traces to the test's own receiver (tracing is off in the shipped file).
     cfg["applications"][0]["args"]["tracing"] = {"otlp_endpoint": otlp.url}
-    t0 = time.time()
-    deploy_config(cfg)
-    wait_running("rayattn-multi")
-    url = f"http://127.0.0.1:{ray_cluster['http_port']}"
-    wait_healthy(url)
-    print(f"\nlocal-multi deployment ready in {time.time() - t0:.1f}s")
-    return url
+    return deploy_own_app(cfg, ray_cluster, "local-multi deployment")
 
 
 def chat(url: str, model: str, content: str, max_tokens: int = 12,
