@@ -74,10 +74,12 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
         # A rolling update replaces max(20 %, 1) replicas at a time; with surge, the new
         # ones start before the old ones stop (each needs its own devices meanwhile).
         max_surge_percent=cfg.serve.engine_max_surge_percent,
-        # Each router caps its own generation calls at serve.max_ongoing_requests per engine
-        # (rayattn/server/dispatch.py); Serve's cap sits above what all routers together can
-        # send, so probes and snapshots never queue behind generation.
-        max_ongoing_requests=cfg.serve.max_ongoing_requests * routers + CONTROL_HEADROOM,
+        # Each router caps its own generation calls at serve.max_ongoing_requests per routing
+        # target (rayattn/server/dispatch.py: an engine, or each DP rank of one); Serve's cap
+        # sits above what all routers together can send, so probes and snapshots never
+        # queue behind generation.
+        max_ongoing_requests=(cfg.serve.max_ongoing_requests * routers
+                              * cfg.parallelism.dp_ranks + CONTROL_HEADROOM),
         placement_group_bundles=plan.bundles,
         placement_group_strategy=plan.strategy,
         ray_actor_options=actor,

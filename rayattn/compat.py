@@ -288,7 +288,7 @@ async def engine_device_info(replica: Any) -> dict[str, Any]:
         # vLLM's DP client answers collective_rpc with rank 0's workers only; rank r of one
         # device each runs on the replica's r-th visible device.
         out["devices"] = local_device_uuids(platform)[:par.dp_ranks]
-    elif platform != "cpu":
+    if platform != "cpu" and not out["devices"]:
         try:
             workers = await replica.engine.collective_rpc("rayattn_device_info")
             out["devices"] = [w.get("uuid") for w in workers]

@@ -61,7 +61,7 @@ class Plan:
 
     @property
     def engines_per_node(self) -> int:
-        """Engine replicas one GPU node holds (each owns TP × PP of its GPUs)."""
+        """Engine replicas one GPU node holds (each owns TP × PP × its DP ranks' GPUs)."""
         per = self.gpus_per_replica
         return self.config.platform.gpus_per_node // per if per else 1
 
@@ -192,7 +192,8 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
         p.append(f"platform.accelerator_type: {acc} does not match platform.kind={plat.kind!r}")
     if (plat.kind != "cpu" and cfg.serve.placement_strategy == "STRICT_PACK"
             and par.gpus_per_replica > plat.gpus_per_node):
-        p.append(f"parallelism.tensor_parallel_size: TP×PP={par.gpus_per_replica} GPUs do not "
+        p.append(f"parallelism.tensor_parallel_size: {par.gpus_per_replica} GPUs a replica "
+                 f"(TP×PP×DP ranks inside) do not "
                  f"fit one node of platform.gpus_per_node={plat.gpus_per_node} under "
                  "serve.placement_strategy STRICT_PACK")
     if plat.kind == "cpu" and par.devices_per_rank > 1:
@@ -246,11 +247,12 @@ def _check_kv_formats(cfg: RayAttnConfig, arch: Architecture) -> list[str]:
         p.append("engine.kv_offload: offloaded blocks are found by their prefix hashes; "
                  "needs engine.enable_prefix_caching")
     per = cfg.parallelism.gpus_per_replica
-    engines = max(1, plat.gpus_per_node // per)
+    # Every DP rank inside an engine keeps a host tier of its own.
+    engines = max(1, plat.gpus_per_node // per) * cfg.parallelism.dp_ranks
     need = engines * off.size_gib
     room = plat.host_memory_gib - HOST_RESERVE_GIB_PER_GPU * plat.gpus_per_node
     if off.backend == "native" and need > room:
-        p.append(f"engine.kv_offload.size_gib: {engines} engine(s) per node × "
+        p.append(f"engine.kv_offload.size_gib: {engines} engine(s) or DP rank(s) per node × "
                  f"{off.size_gib:g} GiB = {need:g} GiB of pinned host memory, but a node "
                  f"has {room} GiB for it (platform.host_memory_gib {plat.host_memory_gib} "
                  f"less {HOST_RESERVE_GIB_PER_GPU} GiB per GPU for the engine processes)")
@@ -277,7 +279,8 @@ def _check_frontend(m: Any) -> list[str]:
 
 # Set through the config's own fields (the router prices what they say): refused where the
 # escape hatches would set them a second time.
-_OWN_KWARGS = {"enable_lora": "model.lora", "max_loras": "model.lora.max_loras",
+_OWN_KWARGS = {"data_parallel_size": "parallelism.engine_dp_size (or dp_attention)",
+               "enable_lora": "model.lora", "max_loras": "model.lora.max_loras",
                "max_cpu_loras": "model.lora.max_cpu_loras",
                "max_lora_rank": "model.lora.max_lora_rank"}
 _OWN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "engine.responses_store",
@@ -319,7 +322,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     env = {**backends.PLATFORM_ENV[plat], **spec.env,
            "PYTHONHASHSEED": cfg.engine.hash_seed, "VLLM_NO_USAGE_STATS": "1"}
     if cfg.parallelism.devices_per_rank > 1 and plat != "cpu":
-        # TP×PP > 1: vLLM's own Ray executor places the workers in the replica's placement
+        # TP×PP > 1 per rank: vLLM's own Ray executor places the workers in the replica's placement
         # group and sets their device visibility itself, so Ray must not (RAY_EXPERIMENTAL_
         # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
         # with NOSET there, every DP rank of a node would run on device 0.
@@ -332,7 +335,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         env["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] = "1"
     env.update(cfg.engine.env)
     extra_copy = sorted(k for k in env if k.startswith(backends.RAY_EXTRA_ENV_PREFIXES))
-    if extra_copy and cfg.parallelism.gpus_per_replica > 1:
+    if extra_copy and cfg.parallelism.devices_per_rank > 1:  # only the Ray executor copies
         env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(extra_copy)
 
     kwargs = engine_kwargs(cfg, spec, block_size, prepare_model)

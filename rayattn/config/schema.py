@@ -200,9 +200,11 @@ class ParallelismConfig(_Strict):
     expert-parallel. Needs enable_expert_parallel and a MoE model."""
     engine_dp_size: PositiveInt = 1
     """vLLM's own data parallelism inside each engine replica, for dense models: this many
-    DP ranks (each TP × PP devices, its own scheduler and KV cache) behind the replica's
-    one engine client, as `vllm serve --data-parallel-size` runs them. For MoE models use
-    dp_attention instead, which makes the TP ranks the DP ranks."""
+    DP ranks (one device each, its own scheduler and KV cache) behind the replica's one
+    engine client, as `vllm serve --data-parallel-size` runs them. For MoE models use
+    dp_attention instead, which makes the TP ranks the DP ranks. Ranks of several devices
+    are engine replicas (data_parallel_size) instead: vLLM would give every rank's Ray
+    executor the same placement bundles."""
 
     @property
     def dp_ranks(self) -> int:
@@ -231,7 +233,8 @@ class KVOffloadConfig(_Strict):
     self-describing offloading events) and the router's index follows both tiers."""
 
     size_gib: float = Field(0.0, ge=0)
-    """Host memory per engine replica for offloaded KV, in GiB; 0 turns the tier off.
+    """Host memory per engine replica (per DP rank where an engine runs several) for
+    offloaded KV, in GiB; 0 turns the tier off.
     Pinned host memory: `rayattn check` validates engines per node × this against
     platform.host_memory_gib, and the KubeRay worker pods request it."""
     backend: Literal["native", "lmcache"] = "native"

@@ -88,11 +88,14 @@ def node_ip() -> str:
 
 class KVMirror:
     def __init__(self, vllm_pub: str, vllm_replay: str, relay_host: str = "127.0.0.1",
-                 ipc_dir: str | None = None) -> None:
+                 ipc_dir: str | None = None, rank: int = 0) -> None:
+        """Follows the engine's DP rank `rank` (vLLM's publisher of that rank at `vllm_pub`;
+        its batches say whose they are)."""
         import zmq
         from zmq.auth.thread import ThreadAuthenticator
 
         self.vllm_pub, self.vllm_replay, self._ipc_dir = vllm_pub, vllm_replay, ipc_dir
+        self.rank = rank
         # Its own context: one ZAP handler per context, and a process may hold two mirrors
         # (tests).
         self._ctx = ctx = zmq.Context()
@@ -196,10 +199,17 @@ class KVMirror:
                 seq = int.from_bytes(parts[1], "big")
                 if seq > self._seq + 1 and self._seq >= 0:
                     self._replay(ctx, self._seq + 1, seq, dec)
+                batch = dec.decode(parts[2])
+                if getattr(batch, "data_parallel_rank", None) not in (None, self.rank):
+                    # Another rank's publisher on this endpoint: the endpoints vLLM derives
+                    # per rank changed (compat.dp_rank_endpoint). Its blocks are not here.
+                    log.error("KV mirror of DP rank %d got rank %s's events; dropped",
+                              self.rank, batch.data_parallel_rank)
+                    continue
                 with self._lock:
                     if seq <= self._seq:
                         continue
-                    apply_batch(dec.decode(parts[2]), self)
+                    apply_batch(batch, self)
                     self._seq = seq
                 self._relay.send_multipart(parts)
             except Exception:

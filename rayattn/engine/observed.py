@@ -27,8 +27,8 @@ class Observation:
     """One client request: one engine request, or several for a completion with a list of
     prompts (their counts add up; token ids and timings are the first one's)."""
 
-    def __init__(self, dp_rank: int | None = None) -> None:
-        self.dp_rank = dp_rank
+    def __init__(self, engine_rank: int | None = None) -> None:
+        self.engine_rank = engine_rank
         """The DP rank the router chose for this request (None: vLLM's balancer picks)."""
         self.start = time.monotonic()
         self.first_token_at: float | None = None
@@ -86,9 +86,9 @@ class ObservedEngine:
         if obs is not None:
             first_request = obs.requests == 0
             obs.requests += 1
-            if obs.dp_rank is not None:
+            if obs.engine_rank is not None:
                 # vLLM's serving layer passes the rank it read from a header (None here).
-                kwargs["data_parallel_rank"] = obs.dp_rank
+                kwargs["data_parallel_rank"] = obs.engine_rank
         async for out in self._engine.generate(*args, **kwargs):
             if obs is not None:
                 try:

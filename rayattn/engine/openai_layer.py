@@ -42,6 +42,9 @@ class OpenAILayer:
         self.models = state.openai_serving_models
         self.identity, self.metrics, self.report = identity, metrics, report
         self.tracing = tracing  # rayattn/metrics/tracing.py, None when off
+        self.ranks = 1
+        """DP ranks of the engine (where several, a request the router sent to none ran
+        on a rank vLLM picked, unseen here)."""
         # Render once: the router has rendered the prompt already (its block hashes come
         # from it), and rendering a long chat again here costs this process's event loop and
         # GIL, which also stream every running request's tokens.
@@ -54,7 +57,9 @@ class OpenAILayer:
                      tracing: Any = None) -> OpenAILayer:
         args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
         state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
-        return cls(state, identity, metrics, report, tracing)
+        layer = cls(state, identity, metrics, report, tracing)
+        layer.ranks = int(engine_kwargs.get("data_parallel_size", 1))
+        return layer
 
     async def list_models(self) -> dict[str, Any]:
         return (await self.models.show_available_models()).model_dump()
@@ -101,7 +106,7 @@ class OpenAILayer:
         except ValidationError as e:  # the router validated it already: a version skew
             yield Reply(_error_json(400, str(e.errors()[:3])), 400, final=True)
             return
-        obs = observed.Observation(req.dp_rank)
+        obs = observed.Observation(req.engine_rank)
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
         given = req.engine_inputs if self.takes_rendered else None
         _rendered.set(given)
@@ -120,7 +125,7 @@ class OpenAILayer:
         if isinstance(result, compat.openai_model("error")):
             status = int(getattr(result.error, "code", 400) or 400)
             yield Reply(result.model_dump_json(), status, final=True,
-                        **self.report(req.dp_rank))
+                        **self.report(req.engine_rank))
             return
         if hasattr(result, "model_dump_json"):
             yield self._final(req, obs, result.model_dump_json())
@@ -145,7 +150,7 @@ class OpenAILayer:
                 # item: the router puts its account on the last of those events.
                 if not obs.done and (last_sent is None or obs.outputs <= 1
                                      or now - last_sent >= req.stream_interval_s):
-                    yield Reply("".join(parts), **(self.report(req.dp_rank)
+                    yield Reply("".join(parts), **(self.report(req.engine_rank)
                                                    if last_sent is None else {}))
                     parts, last_sent = [], now
         finally:
@@ -157,7 +162,7 @@ class OpenAILayer:
                       num_cached_tokens=obs.num_cached_tokens,
                       completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
                       timings=obs.timings, served_by=self.identity,
-                      rendered_by_router=obs.rendered_by_router, **self.report(req.dp_rank))
+                      rendered_by_router=obs.rendered_by_router, **self.report(req.engine_rank))
         t = obs.timings
         if t and req.trace and self.tracing is not None:
             model = req.body.get("model")
@@ -181,7 +186,8 @@ class OpenAILayer:
                 self.metrics.record_request(t["path"], obs.prompt_tokens,
                                             obs.num_cached_tokens, obs.completion_tokens, t,
                                             adapter=self._adapter(model),
-                                            rank=req.dp_rank or 0)
+                                            rank=(req.engine_rank if self.ranks > 1
+                                                  else 0))
             except Exception:  # metrics must never fail a request
                 log.exception("recording request metrics failed")
         return reply

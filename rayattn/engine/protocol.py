@@ -29,7 +29,7 @@ class OpenAIRequest:
     trace: dict[str, str] | None = None
     """W3C trace context of the router's span for this request (tracing on): the engine's
     spans join that trace."""
-    dp_rank: int | None = None
+    engine_rank: int | None = None
     """The DP rank inside the engine that runs the request (the router's target,
     routing/targets.py); None lets vLLM's own balancer pick one."""
 
@@ -96,12 +96,13 @@ class EngineInfo:
     block_size: int
     """KV block size the engine really uses (the router hashes with it)."""
     num_gpu_blocks: int
-    """KV cache capacity in blocks (the predicted index is bounded by it)."""
+    """KV cache capacity in blocks, over all its DP ranks (the predicted index is bounded
+    by it)."""
     max_model_len: int
     max_num_seqs: int
     """Requests the engine runs in one batch (vLLM's scheduler limit)."""
     startup_s: float
-    ranks: list[RankInfo]
+    ranks: list[RankInfo] = field(default_factory=list)
     """The engine's DP ranks (one where it runs no DP inside), each with its own KV cache."""
     host_kv_gib: float = 0.0
     """Its host-memory KV tier (engine.kv_offload.size_gib; 0: none)."""
@@ -124,7 +125,7 @@ class EngineInfo:
 
     @property
     def dp_ranks(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks) or 1
 
 
 @dataclass
@@ -136,5 +137,8 @@ class RankInfo:
     the routers whose keys the engine admitted (`kv_subscribe`)."""
     kv_events_key: str | None = None
     """The relay's CurveZMQ public key (Z85)."""
+    num_gpu_blocks: int = 0
+    """The rank's KV cache capacity in blocks (EngineInfo.num_gpu_blocks is the engine's,
+    vLLM's sum over its ranks)."""
     inflight_by_origin: dict[str, int] = field(default_factory=dict)
     """Requests the routers pinned to this rank, in flight now, per sending router."""

@@ -90,7 +90,7 @@ class EngineReplica:
             # The directory goes with rank 0's mirror, the last one closed.
             self.kv_mirrors = [
                 KVMirror(compat.dp_rank_endpoint(pub, r), compat.dp_rank_endpoint(replay, r),
-                         node_ip(), ipc_dir if r == 0 else None)
+                         node_ip(), ipc_dir if r == 0 else None, rank=r)
                 for r in range(self.dp_ranks)]
         t0 = time.monotonic()
         self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
@@ -141,7 +141,10 @@ class EngineReplica:
         devices = await compat.engine_device_info(self)
         adapters = (await self._openai()).adapters_served()
         report = self._inflight_report()
-        ranks = [RankInfo(None, None, self._inflight_of(r)) for r in range(self.dp_ranks)]
+        # vLLM sums the ranks' capacities; the ranks are configured alike.
+        per_rank = self._facts["num_gpu_blocks"] // self.dp_ranks
+        ranks = [RankInfo(None, None, per_rank, self._inflight_of(r))
+                 for r in range(self.dp_ranks)]
         for rank, mirror in zip(ranks, self.kv_mirrors, strict=False):
             rank.kv_events, rank.kv_events_key = mirror.endpoint, mirror.server_key.decode()
         return EngineInfo(**self._facts, rank=self.rank, devices=devices["devices"],
@@ -260,11 +263,13 @@ class EngineReplica:
             # Distinct from vLLM's EngineDeadError for requests it was running: the router
             # retries this one elsewhere, and not those.
             raise EngineDown(f"engine of {self.replica_id} is dead")
-        if req.dp_rank is not None and not 0 <= req.dp_rank < self.dp_ranks:
-            # A router's stale view (the engine was replaced with fewer ranks): route again.
-            raise Misrouted(f"engine of {self.replica_id} has no DP rank {req.dp_rank}")
+        if req.engine_rank is not None and not 0 <= req.engine_rank < self.dp_ranks:
+            # A replica keeps its ranks for life (a replacement has a new id), so the router
+            # asked for a rank it never saw: its own bug, answered 500, not retried.
+            raise RuntimeError(f"engine of {self.replica_id} has no DP rank "
+                               f"{req.engine_rank}")
         layer = await self._openai()
-        key = (req.dp_rank, req.origin)
+        key = (req.engine_rank, req.origin)
         self._inflight[key] += 1
         self._inflight_seq += 1
         try:

@@ -136,7 +136,9 @@ def worker_memory_gib(plans: list[Plan]) -> tuple[int, int]:
     requested (model loading stages weights through host memory), and the node's
     platform.host_memory_gib as the limit."""
     plat = plans[0].config.platform
-    offload = max(p.engines_per_node * p.config.engine.kv_offload.size_gib
+    # Each DP rank inside an engine keeps a host tier of its own.
+    offload = max(p.engines_per_node * p.config.parallelism.dp_ranks
+                  * p.config.engine.kv_offload.size_gib
                   if p.config.engine.kv_offload.backend == "native" else 0.0 for p in plans)
     need = HOST_RESERVE_GIB_PER_GPU * plat.gpus_per_node + math.ceil(offload)
     limit = plat.host_memory_gib

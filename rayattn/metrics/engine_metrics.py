@@ -17,7 +17,8 @@ from ray.util import metrics as rm
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                    2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84]
 # dp_rank: the replica's rank among the engine replicas (rayattn's DP); engine_rank: the DP
-# rank inside the replica's engine (parallelism.dp_attention / engine_dp_size; else 0).
+# rank inside the replica's engine that ran a request (parallelism.dp_attention /
+# engine_dp_size; 0 where it runs one; "" where vLLM's balancer picked it, unseen here).
 TAGS = ("model", "backend", "replica", "dp_rank", "engine_rank")
 
 
@@ -66,7 +67,8 @@ class EngineMetrics:
                                        tag_keys=TAGS)
 
     def record_request(self, path: str, prompt_tokens: int, cached: int, generated: int,
-                       timings: dict[str, Any], adapter: str = "", rank: int = 0) -> None:
+                       timings: dict[str, Any], adapter: str = "",
+                       rank: int | None = 0) -> None:
         tags = self._ranked(rank)
         t = {**tags, "path": path, "adapter": adapter}
         self.ttft.observe(timings["ttft_s"], t)
@@ -81,8 +83,10 @@ class EngineMetrics:
         if generated > 1 and timings.get("itl_s") is not None:
             self.itl.observe(timings["itl_s"], tags)
 
-    def _ranked(self, rank: int) -> dict[str, str]:
-        return {**self.tags, "engine_rank": str(rank)} if rank else self.tags
+    def _ranked(self, rank: int | None) -> dict[str, str]:
+        if rank == 0:
+            return self.tags
+        return {**self.tags, "engine_rank": "" if rank is None else str(rank)}
 
     def record_step(self, ctx_tokens: int, dec_tokens: int, seconds: float,
                     rank: int = 0) -> None:

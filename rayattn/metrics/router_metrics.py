@@ -91,15 +91,17 @@ class RouterMetrics:
         self.e2e.observe(seconds, self.base)
 
     def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float,
-             members: int, blocks: dict[str, tuple[int, int]] | None = None) -> None:
-        """`blocks`: per replica, the index's (gpu, cpu) tier blocks."""
+             up: int, members: int, blocks: dict[str, tuple[int, int]] | None = None) -> None:
+        """`replicas`: the live routing targets (engine replicas, or DP ranks of one);
+        `up` / `members`: engine replicas up / in the deployment; `blocks`: per target, the
+        index's (gpu, cpu) tier blocks."""
         for r in replicas:
             self.inflight.set(inflight.get(r, 0), {**self.base, "target": r})
             gpu, cpu = (blocks or {}).get(r, (0, 0))
             self.index_blocks.set(gpu, {**self.base, "target": r, "tier": "gpu"})
             self.index_blocks.set(cpu, {**self.base, "target": r, "tier": "cpu"})
         self.imbalance.set(imbalance, self.base)
-        self.replicas_up.set(len(replicas), self.base)
+        self.replicas_up.set(up, self.base)
         self.replicas.set(members, self.base)
 
     def left(self, replica: str) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayattn.config.schema import RayAttnConfig, RouterConfig
-from rayattn.engine.protocol import OpenAIRequest, Reply
+from rayattn.engine.protocol import EngineInfo, OpenAIRequest, Reply
 from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
 from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
@@ -60,7 +60,8 @@ def _max_tokens(body: dict[str, Any]) -> int:
 
 @dataclass
 class EngineStatus:
-    """One engine replica as /health shows it."""
+    """One routing target as /health shows it: an engine replica, or one DP rank of its
+    engine (the replica's own facts repeated on each of its ranks)."""
 
     up: bool
     pid: int | None
@@ -78,6 +79,8 @@ class EngineStatus:
     cache_view: dict[str, Any]
     adapters: list[str] = field(default_factory=list)
     """The LoRA adapters its engine answers to."""
+    engine_rank: int | None = None
+    """The DP rank inside the engine this target is (None: the replica as a whole)."""
 
 
 @dataclass
@@ -188,7 +191,7 @@ class Dispatcher:
                 load = self.core.load
                 index = self.core.index
                 self.metrics.load(dict(load.inflight.items()), live, load.imbalance(live),
-                                  len(self.fleet.members),
+                                  len(self.live()), len(self.fleet.members),
                                   {r: (index.size(r), index.offloaded(r)) for r in live})
             await asyncio.sleep(self.fleet.period_s)
 
@@ -196,14 +199,11 @@ class Dispatcher:
         info = r.info
         assert info is not None
         names = self._targets(r)
-        # DP ranks of one device each compute on devices of their own.
-        per = len(info.devices) // len(names) if len(info.devices) % len(names) == 0 else 0
         for i, name in enumerate(names):
-            devices = info.devices[i * per:(i + 1) * per] if per else info.devices
             # Engines naming the same GPUs share them (two engines on one GPU).
-            device = ",".join(sorted(d for d in devices if d)) or None
-            if not self.core.joined(name, info.block_size, info.num_gpu_blocks, device,
-                                    info.max_num_seqs, info.host_kv_gib > 0):
+            device = ",".join(sorted(d for d in _devices(info, len(names), i) if d)) or None
+            if not self.core.joined(name, info.block_size, _capacity(info, len(names), i),
+                                    device, info.max_num_seqs, info.host_kv_gib > 0):
                 for joined in names[:i]:
                     self.core.left(joined)
                 return False
@@ -315,6 +315,8 @@ class Dispatcher:
     def _status(self, r: Replica, n: str, core: CoreSnapshot) -> EngineStatus:
         """Target `n` of replica `r`, as /health shows it."""
         info, view = r.info, core.routable.get(n)
+        names = self._targets(r)
+        i, rank = names.index(n), split(n)[1]
         cache_view: dict[str, Any] = {"blocks": view.blocks if view else 0,
                                       **self.feeds.stats(n)}
         if view is not None and view.speculative_blocks is not None:
@@ -325,10 +327,11 @@ class Dispatcher:
             r.up, info.pid if info else None, info.rank if info else None,
             view.inflight if view else 0, view.local if view else 0,
             info.unfinished if info else None, r.downs, r.slow_probes,
-            info.num_gpu_blocks if info else None, info.backend if info else None,
-            info.block_size if info else None, info.engine_pids if info else [],
-            info.devices if info else [], cache_view,
-            sorted(info.adapters) if info else [])
+            _capacity(info, len(names), i) if info else None,
+            info.backend if info else None, info.block_size if info else None,
+            info.engine_pids if info else [],
+            _devices(info, len(names), i) if info else [], cache_view,
+            sorted(info.adapters) if info else [], rank)
 
     def stream_interval_s(self) -> float:
         """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when
@@ -422,7 +425,8 @@ class Dispatcher:
                     if kind == "engine_crashed":
                         self.counts["engine_crashes"] += 1
                         if prompt is not None:
-                            self.quarantine.failed(prompt, d.replica)
+                            # One engine, however many of its ranks ran the prompt.
+                            self.quarantine.failed(prompt, replica_of(d.replica))
                     if (delivered or attempt == self.cfg.router.max_retries
                             or kind == "engine_crashed"):
                         self.record_failure(e)
@@ -467,7 +471,12 @@ class Dispatcher:
                     raise APIError(404, f"The model `{adapter}` does not exist.",
                                    param="model", code="model_not_found")
             if pinned is not None:
-                live = [r for r in live if r == pinned and r not in tried]
+                # The engine that stored a response keeps it in its front end, whichever
+                # of its ranks ran it (and under whichever target names, router.dp_rank_
+                # routing being live).
+                home = replica_of(pinned)
+                live = sorted((r for r in live if replica_of(r) == home and r not in tried),
+                              key=lambda r: r != pinned)
                 if not live and replica_of(pinned) in self.fleet.members \
                         and pinned not in tried \
                         and time.monotonic() < wait_until:
@@ -528,7 +537,7 @@ class Dispatcher:
                     tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
-        replica, req.dp_rank = split(d.replica)
+        replica, req.engine_rank = split(d.replica)
         req.origin = self.core.load.origin
         gen = None
         self.fair.started(tenant)
@@ -592,6 +601,18 @@ class Dispatcher:
                 handle = self._engines.options(stream=True)
             self._streaming = (transport, handle)
         return PinnedHandle(self._streaming[1], replica)
+
+
+def _capacity(info: EngineInfo, targets: int, i: int) -> int:
+    """KV blocks of target `i` of an engine routed to as `targets` targets: a rank's own
+    where each rank is one, else the engine's (vLLM's sum over its ranks)."""
+    return info.ranks[i].num_gpu_blocks if targets > 1 else info.num_gpu_blocks
+
+
+def _devices(info: EngineInfo, targets: int, i: int) -> list[str | None]:
+    """The GPUs target `i` computes on: DP ranks of one device each have their own."""
+    per, rest = divmod(len(info.devices), targets)
+    return info.devices[i * per:(i + 1) * per] if per and not rest else info.devices
 
 
 class EngineCallError(Exception):

@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
+from rayattn.config.loader import app_args, parse_args
+from rayattn.config.plan import build_plan
 from rayattn.routing.targets import split
 from tests.conftest import deploy_own_app, local_config
 
@@ -62,6 +64,13 @@ def test_each_rank_is_a_cache_of_its_own_and_runs_what_the_router_sends_it(dp_ap
     targets = sorted(health["engines"])
     assert len(targets) == 2 and {split(t)[1] for t in targets} == {0, 1}
     assert len({split(t)[0] for t in targets}) == 1, targets
+    assert (health["up"], health["of"]) == (1, 1)  # engine replicas, not targets
+    # Each rank holds engine.kv_cache_memory_bytes of KV: its own capacity, not vLLM's sum.
+    plan = build_plan(parse_args(app_args(local_config()["applications"][0])))
+    per_rank = plan.config.engine.kv_cache_memory_bytes // (plan.block_size
+                                                            * plan.kv_bytes_per_token)
+    assert [health["engines"][t]["kv_blocks"] for t in targets] == [per_rank] * 2
+    assert [health["engines"][t]["engine_rank"] for t in targets] == [0, 1]
     reset(dp_app, "round_robin")
     msgs = [{"role": "user", "content": DOC.format(n=1)}]
     seen = []
@@ -115,14 +124,31 @@ def test_affinity_keeps_each_conversation_on_its_rank_and_spreads_them(dp_app, r
     assert seen == {"0", "1"}, seen
 
 
-def test_without_rank_routing_the_replica_is_one_target_and_vllm_picks(dp_app):
-    reset(dp_app, "affinity", dp_rank_routing=False)
-    try:
-        health = httpx.get(f"{dp_app}/health", timeout=30).json()
-        (target,) = health["engines"]
-        assert split(target)[1] is None
-        body = ask(dp_app, [{"role": "user", "content": DOC.format(n=99)}])
-        assert body["rayattn"]["replica"] == target
-    finally:
-        reset(dp_app, "affinity", dp_rank_routing=True)
-    assert len(httpx.get(f"{dp_app}/health", timeout=30).json()["engines"]) == 2
+def test_switching_rank_routing_live_loses_no_request(dp_app):
+    """router.dp_rank_routing off: the replica is one target and vLLM's balancer picks the
+    rank; switched both ways while streams run, every request is answered."""
+    def stream(n: int) -> str:
+        with httpx.stream("POST", f"{dp_app}/v1/chat/completions", timeout=120, json={
+                "model": MODEL, "max_tokens": 48, "temperature": 0, "stream": True,
+                "messages": [{"role": "user", "content": DOC.format(n=200 + n)}]}) as r:
+            assert r.status_code == 200, r.read()
+            return "".join(r.iter_lines())
+
+    with ThreadPoolExecutor(6) as pool:
+        running = [pool.submit(stream, n) for n in range(6)]
+        time.sleep(1.0)
+        reset(dp_app, "affinity", dp_rank_routing=False)
+        try:
+            health = httpx.get(f"{dp_app}/health", timeout=30).json()
+            (target,) = health["engines"]
+            assert split(target)[1] is None and health["engines"][target]["engine_rank"] is None
+            body = ask(dp_app, [{"role": "user", "content": DOC.format(n=99)}])
+            assert body["rayattn"]["replica"] == target
+            later = [pool.submit(stream, n) for n in range(6, 9)]
+        finally:
+            reset(dp_app, "affinity", dp_rank_routing=True)
+        answers = [f.result() for f in running + later]
+    assert all("[DONE]" in a for a in answers)
+    health = httpx.get(f"{dp_app}/health", timeout=30).json()
+    assert len(health["engines"]) == 2
+    assert all(e["inflight"] == 0 for e in health["engines"].values()), health["engines"]

@@ -347,7 +347,8 @@ def test_kv_offload_rejected_where_it_cannot_run_or_fit():
         build_plan(parse_args(args))
     args = _args("llama.yaml")  # TP4 on 8-GPU nodes: two engines per node
     args["engine"]["kv_offload"] = {"size_gib": 700}
-    with pytest.raises(PlanError, match=r"engine.kv_offload.size_gib: 2 engine\(s\) per node "
+    with pytest.raises(PlanError, match=r"engine.kv_offload.size_gib: 2 engine\(s\) or DP "
+                                        r"rank\(s\) per node "
                                         r"× 700 GiB = 1400 GiB .* has 1280 GiB"):
         build_plan(parse_args(args))
     args["platform"]["host_memory_gib"] = 2048  # a bigger node takes it

@@ -127,7 +127,8 @@ def test_each_dp_rank_of_an_engine_is_followed_as_a_target_of_its_own():
     # and the rank; the publisher offsets them itself.
     pubs = [ZmqEventPublisher(r, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
             for r in range(2)]
-    mirrors = [KVMirror(*eps[r], "127.0.0.1", ipc_dir if r == 0 else None) for r in range(2)]
+    mirrors = [KVMirror(*eps[r], "127.0.0.1", ipc_dir if r == 0 else None, rank=r)
+               for r in range(2)]
     time.sleep(0.3)
     try:
         _send(pubs[0], _stored([1, 2, 3]))
