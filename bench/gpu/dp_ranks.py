@@ -208,8 +208,6 @@ def main() -> int:
     ap.add_argument("--startup-timeout-s", type=float, default=360)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dotted override of the deployment's args (repeatable)")
-    ap.add_argument("--keep-executor", action="store_true",
-                    help="keep the plan's distributed_executor_backend (main() says why not)")
     ap.add_argument("--tokenizer", help="for the oracle (default: the model's directory)")
     ap.add_argument("--summarize", metavar="JSON", help="only print a finished run's table")
     a = ap.parse_args()
@@ -251,25 +249,6 @@ def main() -> int:
     report: dict[str, Any] = {"args": vars(a), "gpus": gpus(), "runs": [], "checks": {},
                               "bench_overrides": {}}
     plan = build_plan(parse_args(args), prepare_model=True)
-    kw = plan.engine_kwargs
-    if (kw.get("data_parallel_size", 1) > 1 and not a.keep_executor
-            and kw.get("tensor_parallel_size", 1) * kw.get("pipeline_parallel_size", 1) == 1
-            and kw.get("distributed_executor_backend") != "mp"):
-        # vLLM 0.25 inside a Ray actor hands the replica's placement group to the engine and
-        # then defaults the executor to `ray` (ParallelConfig: ray found + placement group):
-        # every one-device rank's RayExecutorV2 puts its worker on the group's first GPU
-        # bundle (a second worker never schedules; a bundle of 2 GPUs is refused outright).
-        # `mp` runs each rank's worker on device local_dp_rank of the GPUs the replica sees,
-        # as `vllm serve --data-parallel-size` does.
-        args.setdefault("engine", {})["extra_engine_kwargs"] = {
-            **(args["engine"].get("extra_engine_kwargs") or {}),
-            "distributed_executor_backend": "mp"}
-        report["bench_overrides"]["distributed_executor_backend"] = {
-            "plan": kw.get("distributed_executor_backend"), "run": "mp"}
-        log(f"NOTE: the plan's distributed_executor_backend is "
-            f"{kw.get('distributed_executor_backend')!r}; this run sets 'mp' "
-            "(--keep-executor to run the plan as it is)")
-        plan = build_plan(parse_args(args), prepare_model=True)
     report |= {"rayattn_args": args, "rayattn_from": str(Path(rayattn.__file__).parent),
                "plan": plan.describe(), "engine_kwargs": plan.engine_kwargs,
                "bundles": plan.bundles}
@@ -288,9 +267,9 @@ def main() -> int:
         log(f"rayattn healthy after {report['startup_s']:.0f} s")
 
         # --- the two ranks on the two GPUs -----------------------------------------------
-        # From nvidia-smi: a DP engine's collective_rpc answers with rank 0's workers only
-        # (vLLM's DP client returns the first engine's reply), so the engine's own device
-        # report names one GPU.
+        # From nvidia-smi, beside the engine's own report (one GPU per rank, read from the
+        # replica's visible devices: vLLM's DP client answers collective_rpc with rank 0's
+        # workers only).
         try:
             used = {g["index"]: float(g["mem_used_mib"]) for g in gpus()}
             ok = len(used) >= 2 and all(v > 10_000 for v in list(used.values())[:2])
