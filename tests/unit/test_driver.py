@@ -1,0 +1,129 @@
+"""The benchmark client (`rayattn.bench.driver.run_workload`) against an SSE server on
+loopback: what it reads from a stream, what it sends each turn, and how many requests it
+keeps in flight. Every table in docs/ is measured through it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from aiohttp import web
+
+from rayattn.bench.driver import run_workload
+from rayattn.bench.workloads import Conversation, Workload
+
+LONG = "y" * 100_000  # one SSE line beyond aiohttp's own 64 KiB line limit
+
+
+class Server:
+    def __init__(self) -> None:
+        self.inflight = self.max_inflight = 0
+        self.seen: list[tuple[str, list[dict]]] = []
+
+    async def chat(self, req: web.Request) -> web.StreamResponse:
+        arrived = time.time()
+        body = await req.json()
+        session = req.headers["x-session-id"]
+        self.seen.append((session, body["messages"]))
+        if session == "refused":
+            return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
+        self.inflight += 1
+        self.max_inflight = max(self.max_inflight, self.inflight)
+        resp = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await resp.prepare(req)
+        try:
+            await asyncio.sleep(0.02)
+            if session == "fails":
+                await self._event(resp, {"error": {"message": "engine died", "code": 503}})
+                return resp
+            turn = sum(1 for m in body["messages"] if m["role"] == "user") - 1
+            pieces = [f"{session}:{turn} ", LONG if session == "long" else "", "end"]
+            for p in pieces:
+                await self._event(resp, {"choices": [{"delta": {"content": p}}]})
+            await self._event(resp, {"choices": [], "usage": {
+                "prompt_tokens": 100 + turn, "completion_tokens": 3,
+                "prompt_tokens_details": {"cached_tokens": 64}},
+                "rayattn": {"replica": "engine-1", "path": "extend", "arrived_at": arrived,
+                            "predicted_cached_tokens": 64}})
+            await resp.write(b"data: [DONE]\n\n")
+        finally:
+            self.inflight -= 1
+        return resp
+
+    @staticmethod
+    async def _event(resp: web.StreamResponse, ev: dict[str, Any]) -> None:
+        await resp.write(f"data: {json.dumps(ev)}\n\n".encode())
+
+
+async def _serve(server: Server) -> tuple[web.AppRunner, str]:
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", server.chat)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_reads_streams_and_carries_each_answer_into_the_next_turn() -> None:
+    server = Server()
+    runner, url = await _serve(server)
+    try:
+        convs = [Conversation(f"doc {i}", ["first", "second", "third"], f"c{i}", 8)
+                 for i in range(6)]
+        convs += [Conversation("doc", ["q"], "long"), Conversation("doc", ["q"], "fails"),
+                  Conversation("doc", ["q"], "refused")]
+        res, _ = await run_workload(url, "m", Workload("w", convs), concurrency=3)
+    finally:
+        await runner.cleanup()
+    by = {(r.session, r.turn): r for r in res}
+    assert len(res) == 6 * 3 + 3
+    first = by[("c2", 1)]
+    assert (first.status, first.prompt_tokens, first.cached_tokens, first.replica,
+            first.path, first.predicted_cached_tokens) == (200, 101, 64, "engine-1", "extend",
+                                                           64)
+    assert first.output_text == "c2:1 end"
+    assert first.to_router_s is not None and 0 <= first.to_router_s < 5
+    assert by[("long", 0)].output_text == "long:0 " + LONG + "end"
+    assert by[("fails", 0)].status == 503
+    assert by[("refused", 0)].status == 400
+    # Turn 2 of a conversation carries turns 0 and 1 and the answers the server gave them.
+    msgs = next(m for s, m in server.seen if s == "c4" and len(m) == 6)
+    assert [m["content"] for m in msgs] == ["doc 4", "first", "c4:0 end", "second",
+                                             "c4:1 end", "third"]
+    assert server.max_inflight <= 3
+
+
+async def test_every_conversation_has_its_request_in_flight_at_once() -> None:
+    """128 conversations (more than aiohttp's default of 100 connections) start together:
+    the server holds each first turn until all 128 are in its hands. A client that caps its
+    connections below the concurrency would queue requests behind others' streams and add
+    that wait to every stack's TTFT."""
+    server = Server()
+    everyone = asyncio.Event()
+    chat = server.chat
+
+    async def held(req: web.Request) -> web.StreamResponse:
+        if server.inflight + 1 >= 128:
+            everyone.set()
+        server.inflight += 1
+        server.max_inflight = max(server.max_inflight, server.inflight)
+        try:
+            await asyncio.wait_for(everyone.wait(), 20)
+        except TimeoutError:
+            pass
+        server.inflight -= 1
+        return await chat(req)
+
+    server.chat = held  # type: ignore[method-assign]
+    runner, url = await _serve(server)
+    try:
+        convs = [Conversation(f"doc {i}", ["a"], f"b{i}", 8) for i in range(128)]
+        res, _ = await run_workload(url, "m", Workload("w", convs), concurrency=128)
+    finally:
+        await runner.cleanup()
+    assert all(r.status == 200 for r in res) and len(res) == 128
+    assert server.max_inflight == 128
