@@ -493,6 +493,15 @@ async def render_state(engine_kwargs: dict[str, Any], frontend: dict[str, Any]) 
     return state
 
 
+def renderer_threads(n: int) -> dict[str, Any]:
+    """Engine arguments giving vLLM's renderer `n` worker threads, where the installed vLLM
+    has that setting (`renderer_num_workers`; older versions render on one thread)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    fields = getattr(AsyncEngineArgs, "__dataclass_fields__", {})
+    return {"renderer_num_workers": n} if "renderer_num_workers" in fields else {}
+
+
 def prompt_token_ids(engine_input: Any) -> list[int]:
     """The token ids of one rendered prompt (vLLM's EngineInput / TokensPrompt)."""
     ids = engine_input.get("prompt_token_ids") if isinstance(engine_input, dict) \

@@ -538,6 +538,11 @@ class ServeSettings(_Strict):
     (no thread hand-off per request and per streamed chunk; the fastest hop while the
     router is not saturated). `separate`: Ray Serve's default, a second loop in its own
     thread, so Serve's control calls are answered even while the router's loop is busy."""
+    router_render_threads: PositiveInt | None = None
+    """Threads each router replica renders and tokenizes prompts on (vLLM's
+    `renderer_num_workers` for the router's renderer). The tokenizer releases the GIL, so
+    prompts arriving together are tokenized side by side instead of one after another.
+    None (default): the cores the router's process may use, at most 8."""
     engine_node_resource: str | None = None
     """A custom Ray resource this model's engine replicas need, so they run only on nodes
     that declare it. `rayattn render-k8s` sets it for each model of a multi-model

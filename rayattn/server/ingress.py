@@ -477,7 +477,8 @@ class Ingress:
                  "index": first.index_mode,
                  # The gates' counts are the router's own (one set for all models).
                  "counts": {**_summed(s.counts for s in snaps.values()),
-                            **self.gates.counts()},
+                            **self.gates.counts(),
+                            **_summed(r.render_counts() for r in self.routes.values())},
                  "regret_tokens": _summed(s.regret_tokens for s in snaps.values()),
                  "session_moves": _summed(s.session_moves for s in snaps.values()),
                  "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}

@@ -101,6 +101,13 @@ class ModelRoute:
             raise APIError(503, "the router cannot render prompts yet: "
                                 f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
 
+    def render_counts(self) -> dict[str, float]:
+        """Prompt tokens the renderer tokenized, and those it reused from earlier prompts'
+        heads (rayattn/server/incremental_tokenizer.py)."""
+        inc = self._renderer_built.incremental if self._renderer_built else None
+        return {} if inc is None else {"tokens_tokenized": inc.tokenized_tokens,
+                                       "tokens_reused": inc.reused_tokens}
+
     async def render(self, kind: str, body: Any) -> Rendered:
         renderer = await self.renderer()
         try:

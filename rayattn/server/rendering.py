@@ -11,11 +11,13 @@ chat_template_kwargs included)."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from rayattn import compat
 from rayattn.config.plan import frontend_kwargs
 from rayattn.config.schema import RayAttnConfig
+from rayattn.server import incremental_tokenizer
 
 
 class Rendered:
@@ -50,10 +52,14 @@ class PromptRenderer:
         # vLLM's parsers adjust a chat request while rendering it (tool grammars, reasoning):
         # the engine must then render it itself, to have its own request adjusted.
         self._chat_reusable = getattr(renderer, "parser", "unknown") is None
+        self.incremental = incremental_tokenizer.install(self.tokenizer)
+        """Tokens reused from earlier prompts' heads and tokens tokenized (None: off)."""
 
     @classmethod
     async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
-        state = await compat.render_state(engine_kwargs, frontend_kwargs(cfg))
+        threads = cfg.serve.router_render_threads or min(8, len(os.sched_getaffinity(0)))
+        state = await compat.render_state({**engine_kwargs, **compat.renderer_threads(threads)},
+                                          frontend_kwargs(cfg))
         return cls(state.online_renderer)
 
     @property

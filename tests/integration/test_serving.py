@@ -63,6 +63,35 @@ def test_engine_serves_the_routers_rendering_once(client):
     assert text.model_extra["rayattn"]["rendered_by_router"] is False
 
 
+def test_later_turns_reuse_the_earlier_turns_tokens(server, client):
+    """A conversation's later turns are tokenized from where the earlier prompt ended
+    (rayattn/server/incremental_tokenizer.py), and the engine, which serves the router's ids,
+    sees the prompt it would have rendered itself: echo (the engine's own rendering) counts
+    the same prompt tokens and gives the same answer."""
+    def counts() -> dict:
+        return httpx.get(f"{server}/health", timeout=30).json()["counts"]
+
+    before = counts()
+    msgs = [{"role": "system", "content": "Notes: " + " ".join(
+        f"item {i} costs {i * 3} coins;" for i in range(80))}]
+    prompts = []
+    for question in ("What does item 7 cost?", "And item 12?", "Which is dearer?"):
+        msgs.append({"role": "user", "content": question})
+        plain = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                               max_tokens=8)
+        echo = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                              max_tokens=8, extra_body={"echo": True})
+        assert plain.model_extra["rayattn"]["rendered_by_router"] is True
+        assert plain.usage.prompt_tokens == echo.usage.prompt_tokens
+        assert echo.choices[0].message.content.endswith(plain.choices[0].message.content)
+        msgs.append({"role": "assistant", "content": plain.choices[0].message.content})
+        prompts.append(plain.usage.prompt_tokens)
+    after = counts()
+    reused = after["tokens_reused"] - before.get("tokens_reused", 0)
+    # Turns 2 and 3 (and their echoes) reuse at least the first turn's whole prompt each.
+    assert reused >= 4 * (prompts[0] - 4), (prompts, before, after)
+
+
 def test_completions_endpoint(client):
     r = client.completions.create(model=MODEL, prompt="The capital of France is",
                                   max_tokens=5, temperature=0)
