@@ -70,7 +70,8 @@ def routing(path: Path, tok, out: Path) -> dict:
     from routing import workloads
 
     rep = json.loads(path.read_text())
-    wls = workloads(rep["args"]["scale"])
+    args = rep["args"]
+    wls = workloads(args["scale"], args.get("doc_words", 1500), args.get("user_words", 350))
     rows = []
     for run in rep["runs"]:
         if "summary" not in run:
