@@ -5,11 +5,11 @@ chats (`doc_chat` shapes): each conversation's first turn once, then its second 
 concurrency 1 (one request at a time) and at concurrency N (all second turns at once).
 
     .venv/bin/python bench/render_cost.py [--config deployments/local.yaml] [--model DIR]
-        [--doc-words 1500] [--concurrency 1,64] [--threads 1,8] [--out FILE]
+        [--doc-words 650] [--concurrency 1,64] [--threads 1,8] [--out FILE]
 
-Prints p50 / p99 / max per stage (ms) for each threads × concurrency, with and without the
-incremental tokenizer (`first turn` rows render turns nobody has seen, `later turn` rows
-reuse the first turn's head)."""
+Prints p50 / p99 / max per stage (ms) for each threads × concurrency: `first` rows render
+turns nobody has seen (all tokenized), `later` rows the second turns, which the incremental
+tokenizer mostly reuses from the first turn's head."""
 
 from __future__ import annotations
 

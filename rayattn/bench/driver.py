@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -61,16 +62,18 @@ class Result:
     """Tokens another replica held beyond the chosen one's, when the router chose."""
 
 
-async def _lines(body: aiohttp.StreamReader) -> Any:
+async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[str]:
     """The response's lines, however long (aiohttp's own line reader stops at 64 KiB)."""
-    buf = b""
+    buf = bytearray()
     async for chunk in body.iter_any():
+        start = len(buf)
         buf += chunk
-        *lines, buf = buf.split(b"\n")
-        for line in lines:
-            yield line.rstrip(b"\r").decode()
+        while (end := buf.find(b"\n", start)) >= 0:
+            yield bytes(buf[:end]).rstrip(b"\r").decode()
+            del buf[:end + 1]
+            start = 0
     if buf:
-        yield buf.decode()
+        yield bytes(buf).decode()
 
 
 async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
@@ -179,8 +182,9 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
     # server p99 5.0 s with httpx, 29 ms with aiohttp), and every stack's TTFT counted that
     # wait as its own.
     connector = aiohttp.TCPConnector(limit=concurrency * 2 if rate is None else 0)
-    async with aiohttp.ClientSession(connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=timeout)) as client:
+    # `timeout` bounds connecting and each wait for the next bytes, not a whole stream.
+    limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)
+    async with aiohttp.ClientSession(connector=connector, timeout=limit) as client:
         await asyncio.gather(*(conversation(c, client, s)
                                for c, s in zip(workload.conversations, starts, strict=True)))
     watch.stop()

@@ -8,87 +8,117 @@ added special tokens before normalizing or merging anything, so where a text is 
 after such a token, ids(head + tail) == ids(head) + ids(tail). The cut points are the ends of
 the chat template's special tokens (`<|im_end|>`, `<|start_header_id|>`, …).
 
-Installed only where that identity holds for the tokenizer at hand: its special tokens strip
-no neighbouring whitespace, and a self-test of the identity passes for every boundary token
-and both `add_special_tokens` settings. Otherwise (and for any call with other arguments:
-offsets, a batch, pairs) the tokenizer runs as vLLM configured it. Since the engine serves the
+Installed only where that identity holds for the tokenizer at hand (`boundary_tokens`: a
+fast tokenizer that splits special tokens out; tokens unnormalized, stripping nothing, not
+overlapping other added tokens) and a self-test of it passes for every cut token, awkward
+tails (punctuation, combining marks, other special tokens) and both `add_special_tokens`
+settings. Otherwise (and for any call with other arguments: offsets, a batch, pairs, HF's
+implied truncation) the tokenizer runs as vLLM configured it. Since the engine serves the
 router's ids (render once), an id off here would change the answer: the tests compare every
 result with the plain tokenizer (tests/unit/test_incremental_tokenizer.py)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import threading
+from array import array
 from collections import OrderedDict
 from typing import Any
 
 log = logging.getLogger("rayattn.router")
 
-# Bounds on what the router keeps: the heads of recent prompts, as text (the key) and ids.
+# Bounds on what the router keeps per model: the ids of recent prompts' heads.
 MAX_ENTRIES = 4096
-MAX_CHARS = 32 * 2**20
+MAX_BYTES = 64 * 2**20
 MAX_BOUNDARY_TOKENS = 16
 
 _SELF_TEST = ["hello world", " leading space", "\n\nnewlines\n", "ünïcode 漢字 🙂", "",
-              "tabs\tand  spaces ", "trailing space ", "x", "  ", "\n"]
+              "tabs\tand  spaces ", "trailing space ", "x", "  ", "\n", ".", "'s", ">>",
+              '"quoted"', "123", "\u0338x", "-->"]
 _ARGS = frozenset({"add_special_tokens", "truncation", "max_length"})
+
+Key = tuple[bool, bytes]
+"""(add_special_tokens, digest of the head's text)."""
 
 
 class HeadCache:
     """Ids of prompt heads (text up to a boundary), least recently used out first."""
 
-    def __init__(self, max_entries: int = MAX_ENTRIES, max_chars: int = MAX_CHARS) -> None:
-        self._items: OrderedDict[tuple[bool, str], list[int]] = OrderedDict()
-        self._chars = 0
+    def __init__(self, max_entries: int = MAX_ENTRIES, max_bytes: int = MAX_BYTES) -> None:
+        self._items: OrderedDict[Key, array] = OrderedDict()
+        self._bytes = 0
         self._lock = threading.Lock()  # the renderer tokenizes on a pool of threads
-        self.max_entries, self.max_chars = max_entries, max_chars
+        self.max_entries, self.max_bytes = max_entries, max_bytes
 
-    def get(self, key: tuple[bool, str]) -> list[int] | None:
+    def get(self, key: Key) -> array | None:
         with self._lock:
             ids = self._items.get(key)
             if ids is not None:
                 self._items.move_to_end(key)
             return ids
 
-    def put(self, key: tuple[bool, str], ids: list[int]) -> None:
-        if len(key[1]) > self.max_chars:
+    def put(self, key: Key, ids: array) -> None:
+        size = _size(ids)
+        if size > self.max_bytes:
             return
         with self._lock:
             if key in self._items:
                 self._items.move_to_end(key)
                 return
             self._items[key] = ids
-            self._chars += len(key[1])
-            while len(self._items) > self.max_entries or self._chars > self.max_chars:
-                (_, text), _ = self._items.popitem(last=False)
-                self._chars -= len(text)
+            self._bytes += size
+            while len(self._items) > self.max_entries or self._bytes > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= _size(old)
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _size(ids: array) -> int:
+    return ids.itemsize * len(ids) + 64  # the key and the entry's own overhead, roughly
 
 
 class Counts:
     def __init__(self) -> None:
         self.reused_tokens = 0
         self.tokenized_tokens = 0
+        self._lock = threading.Lock()
+
+    def add(self, reused: int, tokenized: int) -> None:
+        with self._lock:
+            self.reused_tokens += reused
+            self.tokenized_tokens += tokenized
 
 
 def boundary_tokens(tokenizer: Any) -> list[str]:
-    """The tokenizer's special tokens that strip nothing around them: the cut points (none
-    where it is not a fast tokenizer with added tokens)."""
+    """The special tokens a prompt may be cut after: matched whole before anything else
+    (a fast tokenizer that splits special tokens out, the token unnormalized, stripping
+    nothing around it, contained in no other added token and containing none, and
+    tokenized alone as its own id). Where the chat template is known, only the ones it
+    writes (Llama 3 declares 256 reserved special tokens; each cut point is self-tested)."""
     added = getattr(tokenizer, "added_tokens_decoder", None)
-    if not isinstance(added, dict):
+    if not isinstance(added, dict) or not getattr(tokenizer, "is_fast", False) \
+            or getattr(tokenizer, "split_special_tokens", False):
         return []
-    names = sorted({t.content for t in added.values()
-                    if getattr(t, "special", False) and t.content
-                    and not getattr(t, "lstrip", True) and not getattr(t, "rstrip", True)
-                    and not getattr(t, "single_word", True)})
-    # The ones the chat template writes are where prompts can be cut (Llama 3 declares 256
-    # reserved special tokens; each one cut at is self-tested).
+    contents = {t.content for t in added.values()}
     template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, str):
-        names = [n for n in names if n in template]
+    names = []
+    for tid, t in sorted(added.items()):
+        name = t.content
+        if not (getattr(t, "special", False) and name) or any(
+                getattr(t, flag, True) for flag in ("normalized", "lstrip", "rstrip",
+                                                    "single_word")):
+            continue
+        if any(other != name and (name in other or other in name) for other in contents):
+            continue
+        if isinstance(template, str) and name not in template:
+            continue
+        if list(tokenizer(name, add_special_tokens=False)["input_ids"]) != [tid]:
+            continue
+        names.append(name)
     return names[:MAX_BOUNDARY_TOKENS]
 
 
@@ -97,9 +127,10 @@ def _holds(tokenizer: Any, names: list[str]) -> bool:
     def ids(text: str, special: bool) -> list[int]:
         return list(tokenizer(text, add_special_tokens=special)["input_ids"])
 
+    tails = _SELF_TEST + [n + "x" for n in names]
     for name in names:
         for head in _SELF_TEST:
-            for tail in _SELF_TEST:
+            for tail in tails:
                 for special in (True, False):
                     if ids(head + name + tail, special) != \
                             ids(head + name, special) + ids(tail, False):
@@ -109,14 +140,35 @@ def _holds(tokenizer: Any, names: list[str]) -> bool:
     return True
 
 
+def _head_keys(text: str, cuts: list[int], special: bool) -> list[Key]:
+    """The key of each head text[:cut], chained so the whole prompt is hashed once
+    (a prompt may hold thousands of cut points: a user can type the special tokens)."""
+    h = hashlib.blake2b(digest_size=16)
+    keys, prev = [], 0
+    for cut in cuts:
+        h.update(text[prev:cut].encode("utf-8", "surrogatepass"))
+        prev = cut
+        keys.append((special, h.copy().digest()))
+    return keys
+
+
+def _plain(kwargs: dict[str, Any]) -> bool:
+    """Arguments whose result is the ids themselves, or their prefix cut at `max_length`
+    (what vLLM passes: truncation exactly where a limit is given). Others (HF's implied
+    truncation at `model_max_length`, truncation strategies) are the tokenizer's own."""
+    trunc, limit = kwargs.get("truncation"), kwargs.get("max_length")
+    return (trunc in (None, False) and limit is None) or \
+        (trunc is True and isinstance(limit, int))
+
+
 def install(tokenizer: Any) -> Counts | None:
     """Make `tokenizer` (vLLM's renderer's, in this process) reuse prompt heads, in place.
     Returns its counters, or None where the identity does not hold (nothing changed)."""
-    names = boundary_tokens(tokenizer)
-    if not names or not callable(tokenizer):
+    if not callable(tokenizer):
         return None
     try:
-        if not _holds(tokenizer, names):
+        names = boundary_tokens(tokenizer)
+        if not names or not _holds(tokenizer, names):
             return None
     except Exception as e:  # a tokenizer that cannot even do this is left as it is
         log.info("incremental tokenizing off: self-test failed with %r", e)
@@ -127,35 +179,35 @@ def install(tokenizer: Any) -> Counts | None:
     base = type(tokenizer)
 
     def __call__(self: Any, text: Any = None, *args: Any, **kwargs: Any) -> Any:
-        if args or not isinstance(text, str) or not set(kwargs) <= _ARGS:
+        if args or not isinstance(text, str) or not set(kwargs) <= _ARGS \
+                or not _plain(kwargs):
             return base.__call__(self, text, *args, **kwargs)
         special = bool(kwargs.get("add_special_tokens", True))
         cuts = [m.end() for m in pattern.finditer(text)]
         if not cuts:
             return base.__call__(self, text, **kwargs)
-        head_ids, at = None, 0
-        for at in reversed(cuts):
-            head_ids = heads.get((special, text[:at]))
-            if head_ids is not None:
+        keys = _head_keys(text, cuts, special)
+        head, at = None, 0
+        for i in range(len(cuts) - 1, -1, -1):
+            head = heads.get(keys[i])
+            if head is not None:
+                at = cuts[i]
                 break
-        if head_ids is None:
+        if head is None:
             ids = list(base.__call__(self, text, add_special_tokens=special)["input_ids"])
-            counts.tokenized_tokens += len(ids)
-            at = 0
+            counts.add(0, len(ids))
         else:
-            tail = list(base.__call__(self, text[at:], add_special_tokens=False)["input_ids"])
-            ids = head_ids + tail
-            counts.reused_tokens += len(head_ids)
-            counts.tokenized_tokens += len(tail)
-        if kwargs.get("truncation") and kwargs.get("max_length") is not None \
-                and len(ids) > kwargs["max_length"]:
+            tail = base.__call__(self, text[at:], add_special_tokens=False)["input_ids"]
+            ids = head.tolist() + list(tail)
+            counts.add(len(head), len(tail))
+        limit = kwargs.get("max_length") if kwargs.get("truncation") else None
+        if limit is not None and len(ids) > limit:
             # Longer than vLLM lets through: its own call, truncation and error included.
             return base.__call__(self, text, **kwargs)
-        last = cuts[-1]
-        if last > at:  # the next turn starts from this prompt's last boundary
-            tail_len = len(base.__call__(self, text[last:],
+        if cuts[-1] > at:  # the next turn starts from this prompt's last boundary
+            tail_len = len(base.__call__(self, text[cuts[-1]:],
                                          add_special_tokens=False)["input_ids"])
-            heads.put((special, text[:last]), ids[:len(ids) - tail_len])
+            heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
         return _encoding(ids)
 
     layer = type(f"IncrementallyTokenizing{base.__name__}", (base,), {"__call__": __call__})
@@ -167,4 +219,4 @@ def install(tokenizer: Any) -> Counts | None:
 def _encoding(ids: list[int]) -> Any:
     from transformers import BatchEncoding
 
-    return BatchEncoding({"input_ids": ids})
+    return BatchEncoding({"input_ids": ids, "attention_mask": [1] * len(ids)})

@@ -57,7 +57,7 @@ class PromptRenderer:
 
     @classmethod
     async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
-        threads = cfg.serve.router_render_threads or min(8, len(os.sched_getaffinity(0)))
+        threads = cfg.serve.router_render_threads or min(4, _cores())
         state = await compat.render_state({**engine_kwargs, **compat.renderer_threads(threads)},
                                           frontend_kwargs(cfg))
         return cls(state.online_renderer)
@@ -104,6 +104,13 @@ class PromptRenderer:
             return out
         text = request.input if isinstance(request.input, str) else ""
         return Rendered(compat.prompt_token_ids(out.engine_input), text, None)
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 def _text(content: Any) -> str:

@@ -77,12 +77,17 @@ def test_later_turns_reuse_the_earlier_turns_tokens(server, client):
     prompts = []
     for question in ("What does item 7 cost?", "And item 12?", "Which is dearer?"):
         msgs.append({"role": "user", "content": question})
-        plain = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
-                                               max_tokens=8)
-        echo = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
-                                              max_tokens=8, extra_body={"echo": True})
+        plain = client.chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, max_tokens=8,
+            extra_body={"return_token_ids": True})
+        echo = client.chat.completions.create(
+            model=MODEL, messages=msgs, temperature=0, max_tokens=8,
+            extra_body={"echo": True, "return_token_ids": True})
         assert plain.model_extra["rayattn"]["rendered_by_router"] is True
-        assert plain.usage.prompt_tokens == echo.usage.prompt_tokens
+        assert echo.model_extra["rayattn"]["rendered_by_router"] is False
+        # The very ids: the router's (reused heads + new tail) and the engine's own.
+        assert plain.model_extra["prompt_token_ids"] == echo.model_extra["prompt_token_ids"]
+        assert len(plain.model_extra["prompt_token_ids"]) == plain.usage.prompt_tokens
         assert echo.choices[0].message.content.endswith(plain.choices[0].message.content)
         msgs.append({"role": "assistant", "content": plain.choices[0].message.content})
         prompts.append(plain.usage.prompt_tokens)

@@ -127,3 +127,19 @@ async def test_every_conversation_has_its_request_in_flight_at_once() -> None:
         await runner.cleanup()
     assert all(r.status == 200 for r in res) and len(res) == 128
     assert server.max_inflight == 128
+
+
+async def test_open_loop_over_two_routers_sends_turn_t_to_router_t_mod_2() -> None:
+    a, b = Server(), Server()
+    (ra, ua), (rb, ub) = await _serve(a), await _serve(b)
+    try:
+        convs = [Conversation(f"doc {i}", ["one", "two", "three"], f"o{i}", 8)
+                 for i in range(4)]
+        res, _ = await run_workload([ua, ub], "m", Workload("w", convs), rate=50.0, seed=1)
+    finally:
+        await ra.cleanup()
+        await rb.cleanup()
+    assert all(r.status == 200 for r in res) and len(res) == 12
+    turns = {name: sorted(sum(1 for m in msgs if m["role"] == "user") - 1 for _, msgs in s.seen)
+             for name, s in (("a", a), ("b", b))}
+    assert turns == {"a": [0] * 4 + [2] * 4, "b": [1] * 4}

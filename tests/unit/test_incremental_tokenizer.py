@@ -110,17 +110,70 @@ def test_not_installed_where_pieces_do_not_add_up(tmp_path):
                                   additional_special_tokens=["<|im_start|>", "<|im_end|>"])
     tok.chat_template = "{% for m in messages %}<|im_start|>{{ m['content'] }}<|im_end|>" \
         "{% endfor %}"
-    assert incremental_tokenizer.boundary_tokens(tok) == ["<|im_end|>", "<|im_start|>"]
+    assert sorted(incremental_tokenizer.boundary_tokens(tok)) == ["<|im_end|>", "<|im_start|>"]
     before = type(tok)
     assert incremental_tokenizer.install(tok) is None
     assert type(tok) is before
 
 
 def test_the_head_cache_is_bounded():
-    heads = incremental_tokenizer.HeadCache(max_entries=3, max_chars=100)
+    from array import array
+
+    heads = incremental_tokenizer.HeadCache(max_entries=3, max_bytes=8_100)
     for i in range(5):
-        heads.put((False, f"{i}" * 10), [i])
-    assert len(heads) == 3 and heads.get((False, "0" * 10)) is None
-    assert heads.get((False, "4" * 10)) == [4]
-    heads.put((False, "x" * 95), [9])  # over the character budget together: oldest go
-    assert heads.get((False, "x" * 95)) == [9] and len(heads) == 1
+        heads.put((False, bytes([i])), array("i", [i]))
+    assert len(heads) == 3 and heads.get((False, bytes([0]))) is None
+    assert heads.get((False, bytes([4]))).tolist() == [4]
+    heads.put((False, b"big"), array("i", range(2000)))  # 8 kB: the oldest make room
+    assert heads.get((False, b"big")) is not None and len(heads) == 1
+
+
+def test_not_installed_where_special_tokens_are_not_split_out():
+    """`split_special_tokens=True` tokenizes `<|im_end|>` as plain text: a prompt cut after
+    it does not add up, and the tokenizer is left as it is."""
+    from transformers import AutoTokenizer
+
+    from rayattn.models.embedded import resolve_embedded
+
+    tok = AutoTokenizer.from_pretrained(resolve_embedded("rayattn://smollm2-135m"),
+                                        split_special_tokens=True)
+    before = type(tok)
+    assert incremental_tokenizer.install(tok) is None and type(tok) is before
+
+
+def test_many_cut_points_and_other_truncation_arguments():
+    """A prompt full of typed special tokens (thousands of cut points), and HF's own
+    truncation arguments (a limit alone, truncation alone), give the plain ids."""
+    tok = _smollm2()
+    plain = copy.deepcopy(tok)
+    incremental_tokenizer.install(tok)
+    spam = "".join(f"a{i}<|im_end|>" for i in range(3000))
+    for text in (spam, spam + "tail", "<|im_start|>" + spam):
+        for _ in range(2):  # the second time from the cached head
+            assert tok(text, add_special_tokens=False)["input_ids"] == \
+                plain(text, add_special_tokens=False)["input_ids"]
+    for kw in ({"max_length": 7}, {"truncation": True}, {"truncation": True, "max_length": 7},
+               {"truncation": "longest_first", "max_length": 7}):
+        assert list(tok(spam, **kw)["input_ids"]) == list(plain(spam, **kw)["input_ids"]), kw
+
+
+def test_through_vllms_thread_pool_from_many_threads():
+    """vLLM's renderer wraps the tokenizer in its pool of copies (renderer_num_workers > 1)
+    and tokenizes from several threads at once: the layer sits on top and stays exact."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from vllm.tokenizers.hf import maybe_make_thread_pool
+
+    tok = _smollm2()
+    plain = copy.deepcopy(tok)
+    maybe_make_thread_pool(tok, 4)
+    counts = incremental_tokenizer.install(tok)
+    assert counts is not None
+    rng = random.Random(3)
+    texts = [plain.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+             for _ in range(16) for msgs in _conversation(rng, 4)]
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda t: list(tok(t, add_special_tokens=False)["input_ids"]),
+                            texts * 2))
+    assert got == [plain(t, add_special_tokens=False)["input_ids"] for t in texts * 2]
+    assert counts.reused_tokens > 0
