@@ -70,8 +70,9 @@ def routing(path: Path, tok, out: Path) -> dict:
     from routing import workloads
 
     rep = json.loads(path.read_text())
-    args = rep["args"]
-    wls = workloads(args["scale"], args.get("doc_words", 1500), args.get("user_words", 350))
+    args = rep["args"]  # runs from before --doc-words/--user-words get routing.py's defaults
+    wls = workloads(args["scale"], **{k: args[k] for k in ("doc_words", "user_words")
+                                      if k in args})
     rows = []
     for run in rep["runs"]:
         if "summary" not in run:

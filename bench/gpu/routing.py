@@ -54,9 +54,10 @@ def variant(policy: str) -> tuple[str, dict]:
     return name, {k: yaml.safe_load(v) for k, v in
                   (kv.split("=", 1) for kv in rest.split(";") if kv)}
 ROUTER_PORT = 8100
+DOC_WORDS, USER_WORDS = 1500, 350  # doc_chat's document and notes per turn, in words
 
 
-def workloads(scale: int, doc_words: int = 1500, user_words: int = 350) -> dict:
+def workloads(scale: int, doc_words: int = DOC_WORDS, user_words: int = USER_WORDS) -> dict:
     from rayattn.bench.workloads import agent_loop, doc_chat, multi_turn, shared_prefix
 
     return {
@@ -217,8 +218,9 @@ def main() -> int:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="a dotted override of the deployment's args for rayattn, e.g. "
                          "serve.ingress_replicas=4 (repeatable)")
-    ap.add_argument("--doc-words", type=int, default=1500, help="doc_chat's document")
-    ap.add_argument("--user-words", type=int, default=350, help="doc_chat's notes per turn")
+    ap.add_argument("--doc-words", type=int, default=DOC_WORDS, help="doc_chat's document")
+    ap.add_argument("--user-words", type=int, default=USER_WORDS,
+                    help="doc_chat's notes per turn")
     ap.add_argument("--think-s", type=float, default=0.0,
                     help="a uniform 0..think_s pause before a conversation's next turn")
     a = ap.parse_args()

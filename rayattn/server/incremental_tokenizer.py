@@ -212,7 +212,6 @@ def install(tokenizer: Any) -> Counts | None:
 
     layer = type(f"IncrementallyTokenizing{base.__name__}", (base,), {"__call__": __call__})
     tokenizer.__class__ = layer
-    tokenizer.rayattn_incremental = counts
     return counts
 
 
