@@ -123,9 +123,10 @@ def test_a_huge_chunked_upload_is_refused_before_it_is_read(server):
     assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
     assert sent < 256 << 20, f"{sent >> 20} MiB were read before the refusal"
     grown = {k: (_rss(p) - before[k]) >> 20 for k, p in pids.items()}
-    # Far below the upload (1 GiB, and more than `sent` if it were buffered). Serve's proxy
-    # keeps what is in flight on its socket and queue: 65 MiB once in a fresh-clone run.
-    assert all(g < 96 for g in grown.values()), grown
+    # Far below the upload (1 GiB, and more than `sent` if it were buffered). The router's
+    # own reading grew 16 MiB; Serve's proxy keeps what is in flight on its socket and queue
+    # and its allocator keeps the arenas: 65 and 99 MiB in two fresh-clone runs.
+    assert grown["router"] < 64 and grown["proxy"] < 192, grown
 
 
 _PROBE = r"""
