@@ -3,6 +3,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
+# Serve's HAProxy ingress for the Ray that `serve run` starts (rayattn/server/front_door.py).
+export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 
 .PHONY: venv serve test lint check
 

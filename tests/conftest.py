@@ -15,11 +15,18 @@ import pytest
 import yaml
 
 from rayattn.bench.cli import wait_healthy
+from rayattn.server import front_door
 
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
              "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
+# Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as
+# `make serve` and the KubeRay pods do.
+front_door.apply()
+# A router replica that stops stays reachable this long for HAProxy to drop it (Serve's
+# default is 30 s per stopped replica: minutes over the tests that replace apps).
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 def free_port() -> int:

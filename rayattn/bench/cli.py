@@ -18,6 +18,9 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     import os
     import time
 
+    from rayattn.server import front_door
+
+    front_door.apply()  # before Ray (and Serve's constants) are imported here
     import ray
     import yaml
     from ray import serve

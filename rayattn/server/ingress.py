@@ -23,7 +23,7 @@ from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
-from rayattn.server import limits
+from rayattn.server import front_door, limits
 from rayattn.server.dispatch import Dispatcher, Gates, Slot
 from rayattn.server.errors import (
     APIError,
@@ -62,6 +62,12 @@ class Ingress:
         from rayattn.metrics import tracing
 
         self.tracing = tracing.make(self.cfg.tracing, "router")
+        self.front_door = front_door.mode()
+        if self.front_door != "haproxy":
+            log.warning("clients reach this router through Serve's Python HTTP proxy (a Ray "
+                        "call per request and per streamed chunk): start Ray with %s for "
+                        "Serve's HAProxy ingress (rayattn/server/front_door.py)",
+                        " ".join(f"{k}={v}" for k, v in front_door.CLUSTER_ENV.items()))
 
     @property
     def dispatchers(self) -> list[Dispatcher]:
@@ -473,7 +479,8 @@ class Ingress:
             return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
         body |= {"replicas_up": live, "replicas": sum(s.replicas for s in snaps.values()),
                  "joined": sum(s.joined for s in snaps.values()), "policy": first.policy,
-                 "router_pid": os.getpid(), "limits": {"max_inflight": first.max_inflight},
+                 "router_pid": os.getpid(), "front_door": self.front_door,
+                 "limits": {"max_inflight": first.max_inflight},
                  "index": first.index_mode,
                  # The gates' counts are the router's own (one set for all models).
                  "counts": {**_summed(s.counts for s in snaps.values()),

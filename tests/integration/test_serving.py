@@ -216,6 +216,21 @@ def test_models_and_health(server):
     assert h["reason"] is None
 
 
+def test_clients_reach_the_router_through_haproxy(ray_cluster, server):
+    """The Ray the tests start (as make serve's) takes requests through Serve's HAProxy
+    ingress: HAProxy owns the HTTP port, and the router says it was set up for it."""
+    import psutil
+
+    port = ray_cluster["http_port"]
+    owners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    assert owners == {"haproxy"}, owners
+    assert httpx.get(f"{server}/health").json()["front_door"] == "haproxy"
+    r = httpx.post(f"{server}/v1/completions", timeout=60,
+                   json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+
+
 def test_disconnect_mid_stream_aborts_engine_request(server):
     body = {"model": MODEL, "prompt": "Write a very long story about a dragon.",
             "max_tokens": 1500, "ignore_eos": True, "stream": True}
