@@ -5,6 +5,7 @@ export VLLM_NO_USAGE_STATS := 1
 export RAY_USAGE_STATS_ENABLED := 0
 # Serve's HAProxy ingress for the Ray that `serve run` starts (rayattn/server/front_door.py).
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
+export RAY_SERVE_HAPROXY_BALANCE_ALGORITHM ?= hdr(x-session-id)
 
 .PHONY: venv serve test lint check
 

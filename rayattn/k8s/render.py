@@ -26,7 +26,7 @@ import yaml
 
 from rayattn.config.loader import app_args, load_serve_config, parse_models, rayattn_apps
 from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
-from rayattn.server.front_door import CLUSTER_ENV
+from rayattn.server.front_door import cluster_env
 
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "ghcr.io/rayattn/rayattn-rocm:0.1.0"
@@ -71,8 +71,9 @@ DASHBOARD_PORT = 8265
 
 
 def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
-    # Every node: each starts Ray processes that read Serve's ingress flag (front_door.py).
-    env = [{"name": k, "value": v} for k, v in sorted({**plan.env, **CLUSTER_ENV}.items())]
+    # Every node: each starts Ray processes that read Serve's ingress flags (front_door.py).
+    front = cluster_env(plan.config.router.session_header)
+    env = [{"name": k, "value": v} for k, v in sorted({**plan.env, **front}.items())]
     env += [
         # Never inline the token: read it from a Secret the operator creates. Engines load
         # weights with it, routers the tokenizer.

@@ -17,9 +17,23 @@ from __future__ import annotations
 import os
 from collections.abc import MutableMapping
 
-CLUSTER_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1"}
-"""What the process that starts Ray needs in its environment (Makefile, bench/gpu/run.sh and
-the KubeRay manifests carry the same; tests/unit/test_front_door.py checks they agree)."""
+from rayattn.config.schema import RouterConfig
+
+
+def cluster_env(session_header: str = RouterConfig.model_fields["session_header"].default
+                ) -> dict[str, str]:
+    """What the process that starts Ray needs in its environment (the Makefile and the
+    KubeRay manifests carry the same; tests/unit/test_front_door.py checks they agree).
+
+    With several router replicas, HAProxy picks one by a hash of the conversation's session
+    header (`router.session_header`), so every turn of a conversation meets the router that
+    routed the one before: its own record of where the history went, the tokens it already
+    tokenized and hashed. Requests without the header are spread by round robin."""
+    return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({session_header})"}
+
+
+CLUSTER_ENV = cluster_env()
 
 
 def apply(environ: MutableMapping[str, str] = os.environ) -> None:

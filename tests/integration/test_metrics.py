@@ -34,8 +34,22 @@ def by_path(prom: str, metric: str) -> dict[str, float]:
             for s in query(prom, f"sum by (path) ({metric})")}
 
 
+def settled(prom: str, metric: str, quiet_s: float = 3.0, timeout_s: float = 60) -> None:
+    """Wait until `metric` stops changing: earlier tests' requests reach Prometheus up to a
+    report interval plus a scrape interval after they end, and must not count here."""
+    last, since, deadline = by_path(prom, metric), time.time(), time.time() + timeout_s
+    while time.time() < deadline:
+        time.sleep(0.5)
+        now = by_path(prom, metric)
+        if now != last:
+            last, since = now, time.time()
+        elif time.time() - since >= quiet_s:
+            return
+
+
 def test_per_path_metrics_in_prometheus(server, prometheus, reset):
     reset("affinity")
+    settled(prometheus, "ray_rayattn_ttft_seconds_count")
     before_sum = by_path(prometheus, "ray_rayattn_prefill_seconds_sum")
     before_cnt = by_path(prometheus, "ray_rayattn_ttft_seconds_count")
     before_pcnt = by_path(prometheus, "ray_rayattn_prefill_seconds_count")
@@ -50,11 +64,14 @@ def test_per_path_metrics_in_prometheus(server, prometheus, reset):
     deadline = time.time() + 60
     while time.time() < deadline:
         cnt = by_path(prometheus, "ray_rayattn_ttft_seconds_count")
+        pcnt = by_path(prometheus, "ray_rayattn_prefill_seconds_count")
         done = sum(cnt.values()) - sum(before_cnt.values())
-        if done >= n:
+        if done >= n and sum(pcnt.values()) - sum(before_pcnt.values()) >= n:
             break
         time.sleep(1)
     assert done >= n, (cnt, before_cnt)
+    # This phase's requests only (the means below are over them).
+    assert sum(pcnt.values()) - sum(before_pcnt.values()) == n, (pcnt, before_pcnt)
 
     tokens = {s["metric"]["path"]: float(s["value"][1]) for s in query(
         prometheus, "sum by (path) (ray_rayattn_tokens_total)")}
@@ -65,7 +82,6 @@ def test_per_path_metrics_in_prometheus(server, prometheus, reset):
     # (Client-side TTFT adds the hops and any queue, which on 2 shared cores can be as
     # large as a 900-token prefill and hide the difference.)
     s = by_path(prometheus, "ray_rayattn_prefill_seconds_sum")
-    pcnt = by_path(prometheus, "ray_rayattn_prefill_seconds_count")
     mean = {p: (s[p] - before_sum.get(p, 0)) / (pcnt[p] - before_pcnt.get(p, 0))
             for p in ("prefill", "extend")}
     print(f"\nmean engine prefill time over the shared-prefix phase: {mean}")

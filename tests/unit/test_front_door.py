@@ -26,7 +26,13 @@ def test_apply_sets_the_flag_and_keeps_an_operators_choice():
 def test_make_serve_starts_ray_with_the_flag():
     text = (ROOT / "Makefile").read_text()
     for k, v in front_door.CLUSTER_ENV.items():
-        assert re.search(rf"^export {k} \??= {v}$", text, re.M), f"Makefile lacks {k}={v}"
+        assert re.search(rf"^export {k} \??= {re.escape(v)}$", text, re.M), \
+            f"Makefile lacks {k}={v}"
+
+
+def test_routers_are_picked_by_the_configured_session_header():
+    env = front_door.cluster_env("x-conversation")
+    assert env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == "hdr(x-conversation)"
 
 
 def test_every_kuberay_container_has_the_flag():
