@@ -82,6 +82,11 @@ def ray_cluster():
 
     metrics_port = free_port()
     http_port = free_port()
+    # HAProxy's stats, its metrics and Serve's fallback proxy have fixed ports by default:
+    # free ones let this cluster start next to another (a `make serve` on the same host).
+    for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+        os.environ.setdefault(k, str(free_port()))
     # Logical CPUs: the 2 engines reserve 1 each; the rest is headroom for the router and
     # a restarted replica. Metrics pushed every second so tests need not wait 10 s.
     ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,

