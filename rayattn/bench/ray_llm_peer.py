@@ -47,6 +47,11 @@ class RayServeLLMStack:
         self.policy: str | None = None
 
     def start(self) -> None:
+        from rayattn.server import front_door
+
+        # The same front door as rayattn's (Serve's HAProxy), whichever stack ran first in
+        # this process: the contest is between routers, not between Serve's ingress modes.
+        front_door.apply()
         import ray
         from ray import serve
 
