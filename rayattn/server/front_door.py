@@ -56,7 +56,9 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
     for k, v in cluster_env(session_header).items():
         environ.setdefault(k, v)
     if "RAY_SERVE_HAPROXY_SOCKET_PATH" not in environ:
-        own = tempfile.mkdtemp(prefix="rayattn-haproxy-")  # 0700
+        # 0700; short, because HAProxy takes socket paths of at most 97 characters and Ray
+        # adds a 56-character node id.
+        own = tempfile.mkdtemp(prefix="rah-", dir="/tmp" if os.path.isdir("/tmp") else None)
         for k, name in (("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "haproxy.cfg"),
                         ("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
                         ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock"),

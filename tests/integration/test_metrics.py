@@ -40,7 +40,14 @@ def settled(prom: str, metrics: list[str], quiet_s: float = 3.0, timeout_s: floa
     def read() -> list[dict[str, float]]:
         return [by_path(prom, m) for m in metrics]
 
-    last, since, deadline = read(), time.time(), time.time() + timeout_s
+    deadline = time.time() + timeout_s
+    # Prometheus starts with the first test that needs it: nothing is known before its
+    # first scrape of Ray's endpoint.
+    while not any(r["value"][1] == "1" for r in query(prom, 'up{job="ray"}')):
+        if time.time() > deadline:
+            pytest.fail("Prometheus never scraped Ray's metrics endpoint")
+        time.sleep(0.5)
+    last, since = read(), time.time()
     while time.time() < deadline:
         time.sleep(0.5)
         now = read()
