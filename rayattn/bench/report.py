@@ -79,7 +79,8 @@ def plot_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
                 if xs:
                     data.append(xs)
                     labels.append(f"{pol}\n{path}")
-        ax[1][1].boxplot(data, tick_labels=labels)
+        if data:  # only rayattn reports each request's path; a peer-only run has none
+            ax[1][1].boxplot(data, tick_labels=labels)
         ax[1][1].set(title="TTFT by path", ylabel="seconds")
         ax[1][1].tick_params(axis="x", labelsize=6)
         fig.suptitle(f"rayattn policies — {wname}")
