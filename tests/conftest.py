@@ -21,12 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
              "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():
     os.environ.setdefault(k, v)
-# Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as
-# `make serve` and the KubeRay pods do.
-front_door.apply()
-# A router replica that stops stays reachable this long for HAProxy to drop it (Serve's
-# default is 30 s per stopped replica: minutes over the tests that replace apps).
-os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 def free_port() -> int:
@@ -44,6 +38,21 @@ def local_args() -> dict:
     from rayattn.config.loader import app_args
 
     return app_args(local_config()["applications"][0])
+
+
+def session_header() -> str:
+    """The conversation header of the local deployment's router."""
+    from rayattn.config.loader import parse_args
+
+    return parse_args(local_args()).router.session_header
+
+
+# Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as
+# `make serve` and the KubeRay pods do.
+front_door.apply(session_header())
+# A router replica that stops stays reachable this long for HAProxy to drop it (Serve's
+# default is 30 s per stopped replica: minutes over the tests that replace apps).
+os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")
 
 
 def still_running(pids: list[int], until: float) -> list[int]:

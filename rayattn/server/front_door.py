@@ -19,7 +19,6 @@ import os
 import shutil
 import tempfile
 from collections.abc import MutableMapping
-from typing import Literal
 
 from rayattn.config.schema import RouterConfig
 
@@ -34,7 +33,7 @@ def cluster_env(session_header: str = DEFAULT_SESSION_HEADER) -> dict[str, str]:
     header (`router.session_header`), so every turn of a conversation meets the router that
     routed the one before: its own record of where the history went, the tokens it already
     tokenized and hashed. Requests without the header are spread by round robin. The hash
-    is fixed when Ray starts: a router whose header differs says so (`mismatch`)."""
+    is fixed when Ray starts: a router whose header differs says so (`report`)."""
     return {"RAY_SERVE_ENABLE_HA_PROXY": "1",
             "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": f"hdr({session_header})"}
 
@@ -67,35 +66,25 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         environ.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", own)
 
 
-def mode() -> Literal["haproxy", "serve_proxy"]:
-    """What Serve in this Ray process decided at import."""
+def report(session_header: str) -> dict[str, str | None]:
+    """How clients reach this router, as Serve in this Ray process decided at import:
+    `mode` (`haproxy` or `serve_proxy`), HAProxy's `balance` (None without it), and a `note`
+    where that is not the front door rayattn sets up (else None)."""
     try:
         from ray.serve._private import constants
     except ImportError:  # pragma: no cover - Ray's layout moved
-        return "serve_proxy"
-    return "haproxy" if getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False) \
-        else "serve_proxy"
-
-
-def balance() -> str | None:
-    """How HAProxy in this Ray cluster picks a router replica (None: no HAProxy)."""
-    if mode() != "haproxy":
-        return None
-    from ray.serve._private import constants
-
-    return str(getattr(constants, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", ""))
-
-
-def mismatch(session_header: str) -> str | None:
-    """Why this router's clients do not get the front door rayattn sets up, or None."""
-    if mode() != "haproxy":
-        return ("clients reach this router through Serve's Python HTTP proxy (a Ray call per "
-                "request and per streamed chunk): start Ray with " + " ".join(
-                    f"{k}={v}" for k, v in cluster_env(session_header).items())
-                + " for Serve's HAProxy ingress (rayattn/server/front_door.py)")
-    want = cluster_env(session_header)["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"]
-    if balance() != want:
-        return (f"HAProxy picks routers by {balance()!r}, not by this router's session header "
-                f"({want}): a conversation's turns may meet different routers; start Ray "
-                f"with RAY_SERVE_HAPROXY_BALANCE_ALGORITHM={want}")
-    return None
+        constants = None
+    want = cluster_env(session_header)
+    if not getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False):
+        return {"mode": "serve_proxy", "balance": None, "note": (
+            "clients reach this router through Serve's Python HTTP proxy (a Ray call per "
+            "request and per streamed chunk): start Ray with "
+            + " ".join(f"{k}={v}" for k, v in want.items())
+            + " for Serve's HAProxy ingress (rayattn/server/front_door.py)")}
+    balance = str(getattr(constants, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", ""))
+    hashed = want["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"]
+    note = None if balance == hashed else (
+        f"HAProxy picks routers by {balance!r}, not by this router's session header "
+        f"({hashed}): a conversation's turns may meet different routers; start Ray with "
+        f"RAY_SERVE_HAPROXY_BALANCE_ALGORITHM={hashed}")
+    return {"mode": "haproxy", "balance": balance, "note": note}

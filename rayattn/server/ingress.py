@@ -67,8 +67,7 @@ class Ingress:
     def _check_front_door(self) -> None:
         """How clients reach this router, for /health, with a warning where that is not what
         rayattn sets up (Serve's proxy, or HAProxy hashing another header)."""
-        self.front_door = {"mode": front_door.mode(), "balance": front_door.balance(),
-                           "note": front_door.mismatch(self.cfg.router.session_header)}
+        self.front_door = front_door.report(self.cfg.router.session_header)
         if self.front_door["note"]:
             log.warning("%s", self.front_door["note"])
 

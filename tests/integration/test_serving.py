@@ -231,9 +231,12 @@ def test_clients_reach_the_router_through_haproxy(ray_cluster, server):
     owners = {name(c.pid) for c in psutil.net_connections("tcp")
               if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid} - {None}
     assert owners == {"haproxy"}, owners
+    from tests.conftest import session_header
+
     door = httpx.get(f"{server}/health").json()["front_door"]
     # Routers picked by the session header the router itself uses.
-    assert door == {"mode": "haproxy", "balance": "hdr(x-session-id)", "note": None}, door
+    assert door == {"mode": "haproxy", "balance": f"hdr({session_header()})", "note": None}, \
+        door
     r = httpx.post(f"{server}/v1/completions", timeout=60,
                    json={"model": MODEL, "prompt": "Hi", "max_tokens": 2, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2

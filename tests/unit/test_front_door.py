@@ -71,3 +71,19 @@ def test_one_cluster_hashes_one_session_header():
     sc["applications"].append(app)
     with pytest.raises(ValueError, match="session_header"):
         render_rayservice(sc, "rayattn-two")
+
+
+def test_the_router_reports_what_serve_decided(monkeypatch):
+    from ray.serve._private import constants
+
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False, raising=False)
+    r = front_door.report("x-session-id")
+    assert r["mode"] == "serve_proxy" and r["balance"] is None
+    assert "RAY_SERVE_ENABLE_HA_PROXY=1" in r["note"]
+    monkeypatch.setattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", True, raising=False)
+    monkeypatch.setattr(constants, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", "hdr(x-session-id)",
+                        raising=False)
+    assert front_door.report("x-session-id") == {
+        "mode": "haproxy", "balance": "hdr(x-session-id)", "note": None}
+    # A router whose header HAProxy does not hash says so.
+    assert "hdr(x-conversation)" in front_door.report("x-conversation")["note"]
