@@ -178,16 +178,24 @@ def client(server):
 
 @pytest.fixture
 def reset(server):
-    """Cold caches and a chosen policy for one test; back to affinity afterwards."""
+    """Cold caches, a chosen policy and router settings for one test; back to affinity and
+    the deployment's settings afterwards."""
     import httpx
 
-    def _reset(policy: str = "affinity") -> None:
-        r = httpx.post(f"{server}/admin/reset", json={"policy": policy}, timeout=60)
+    from rayattn.config.loader import parse_args
+
+    touched: set[str] = set()
+
+    def _reset(policy: str = "affinity", **settings) -> None:
+        touched.update(settings)
+        r = httpx.post(f"{server}/admin/reset", json={"policy": policy, "settings": settings},
+                       timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["policy"] == policy
 
     yield _reset
-    _reset("affinity")
+    router = parse_args(local_args()).router.model_dump()
+    _reset("affinity", **{k: router[k] for k in touched})
 
 
 def pytest_collection_modifyitems(config, items):

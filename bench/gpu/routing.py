@@ -44,15 +44,11 @@ from common import (  # noqa: E402
     wait_http,
 )
 
+from rayattn.bench.cli import variant  # noqa: E402,F401  (dp_ranks.py takes it from here)
+
 PEER_PORTS = (8101, 8102)
 
 
-def variant(policy: str) -> tuple[str, dict]:
-    """`affinity@stream_messages_per_s=1e9;stream_interval_ms=20`: a policy with router
-    settings of its own for its runs (applied with the reset, on the same engines)."""
-    name, _, rest = policy.partition("@")
-    return name, {k: yaml.safe_load(v) for k, v in
-                  (kv.split("=", 1) for kv in rest.split(";") if kv)}
 ROUTER_PORT = 8100
 DOC_WORDS, USER_WORDS = 1500, 350  # doc_chat's document and notes per turn, in words
 
@@ -95,6 +91,9 @@ def peer_command(kw: dict, port: int, name: str) -> list[str]:
              "gpu_memory_utilization": "--gpu-memory-utilization",
              "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
+             # priority where rayattn's router sends priorities (extend-first): the peers
+             # send none, so theirs run first-come-first-served as before
+             "scheduling_policy": "--scheduling-policy",
              "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
              # the same host KV tier as rayattn's engines (engine.kv_offload)
              "kv_offloading_size": "--kv-offloading-size",

@@ -13,6 +13,19 @@ from rayattn.routing.policies import REGISTRY
 POLICIES = list(REGISTRY)
 
 
+def variant(policy: str) -> tuple[str, dict]:
+    """`affinity@extend_first=4;load_slack=8`: a policy with router settings of its own for
+    its runs (applied with the reset, on the same engines); `affinity@predicted`: with that
+    index mode."""
+    import yaml
+
+    name, _, rest = policy.partition("@")
+    if rest and "=" not in rest:
+        return name, {"index": rest}
+    return name, {k: yaml.safe_load(v) for k, v in
+                  (kv.split("=", 1) for kv in rest.split(";") if kv)}
+
+
 def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str, float]:
     """Start the local deployment once in this process (Ray + Serve); returns URL, start-up s."""
     import os
@@ -66,6 +79,7 @@ def wait_healthy(url: str, timeout: float = 300) -> dict:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     import httpx
+    import yaml
     from transformers import AutoTokenizer
 
     from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
@@ -78,6 +92,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         multi_turn,
         shared_prefix,
     )
+    from rayattn.config.loader import app_args, parse_args
     from rayattn.models.embedded import resolve_embedded
 
     # Checked before anything starts: a typo must not cost the rayattn half of the run.
@@ -111,16 +126,23 @@ def cmd_bench(a: argparse.Namespace) -> int:
             url, startup = start_local(a.port, a.config)
             print(f"local deployment up in {startup:.1f}s at {url}")
 
-        def rayattn_policy(pol: str) -> None:
-            # "affinity@predicted": policy and index mode, both switched live.
-            policy, _, index = pol.partition("@")
-            r = httpx.post(f"{url}/admin/reset", json={"policy": policy, "index": index or None},
-                           timeout=60)
-            r.raise_for_status()
-
         policies = a.policies.split(",")
         if a.index:
             policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
+        # Each run sets every setting some variant changes: back to the config's value where
+        # its own variant does not name it.
+        router_cfg = parse_args(app_args(yaml.safe_load(Path(a.config).read_text())
+                                         ["applications"][0])).router.model_dump()
+        base = {k: router_cfg[k] for pol in policies for k in variant(pol)[1]}
+
+        def rayattn_policy(pol: str) -> None:
+            # "affinity@predicted", "affinity@extend_first=4": switched live with the reset.
+            policy, settings = variant(pol)
+            r = httpx.post(f"{url}/admin/reset", json={"policy": policy,
+                                                       "settings": {**base, **settings}},
+                           timeout=60)
+            r.raise_for_status()
+
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
                        a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
@@ -134,9 +156,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 # Every router replica must switch, so the setting goes through the Serve
                 # config (user_config reaches all of them); the reset then only empties the
                 # engines' caches, which every router's events index sees.
-                policy, _, index = pol.partition("@")
-                deploy_router(a.config, n, {"policy": policy, **({"index": index} if index
-                                                                  else {})})
+                policy, settings = variant(pol)
+                deploy_router(a.config, n, {"policy": policy, **base, **settings})
                 rayattn_policy(pol)
 
             run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
@@ -311,6 +332,7 @@ def score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
     s["hit_vs_block_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
     s["hit_vs_token_oracle"] = s["hit_rate"] / max(s["oracle_token_hit_rate"], 1e-9)
     later = [r for r in res if r.status == 200 and r.turn > 0]
+    s["later_ttft_p50_s"] = percentile(sorted(r.ttft_s for r in later), 0.5)
     s["later_ttft_p90_s"] = percentile(sorted(r.ttft_s for r in later), 0.9)
     return s
 
@@ -339,13 +361,14 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                 print(f"{wname:14s} {label:11s} {pol:19s} run {run}: "
                       f"hit/oracle={s['hit_vs_block_oracle']:.3f} wall={wall:.1f}s "
                       f"ttft p50={s['ttft_p50_s']:.3f} p90={s['ttft_p90_s']:.3f} "
-                      f"later p90={s['later_ttft_p90_s']:.3f} ok={s['ok']}/{s['requests']} "
+                      f"later p50={s['later_ttft_p50_s']:.3f} p90={s['later_ttft_p90_s']:.3f} "
+                      f"ok={s['ok']}/{s['requests']} "
                       f"moves={s['moves']} regret={s['regret_tokens']}",  # None: a peer
                       flush=True)
         for pol, ss in per.items():
             row = dict(ss[len(ss) // 2])  # one run's details; the figures below are medians
             for k in ("hit_rate", "hit_vs_block_oracle", "wall_s", "ttft_p50_s", "ttft_p90_s",
-                      "later_ttft_p90_s", "output_tok_per_s"):
+                      "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s"):
                 vals = [x[k] for x in ss]
                 row[k] = statistics.median(vals)
                 row[f"{k}_range"] = [min(vals), max(vals)]
@@ -370,6 +393,7 @@ def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> 
             r["vs_peer"] = best_name
             r["wall_ratio"] = ratio(r["wall_s"], best["wall_s"])
             r["ttft_p90_ratio"] = ratio(r["ttft_p90_s"], best["ttft_p90_s"])
+            r["later_ttft_p50_ratio"] = ratio(r["later_ttft_p50_s"], best["later_ttft_p50_s"])
             r["later_ttft_p90_ratio"] = ratio(r["later_ttft_p90_s"], best["later_ttft_p90_s"])
             r["throughput_ratio"] = ratio(r["output_tok_per_s"], best["output_tok_per_s"])
 

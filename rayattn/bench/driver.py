@@ -245,7 +245,8 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
     ttfts = sorted(r.ttft_s for r in ok)
     per_replica: dict[str, int] = {}
     for r in ok:
-        per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
+        if r.replica:  # a peer does not say (its share comes from its engines' counters)
+            per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
     prompt = sum(r.prompt_tokens for r in ok)
     ours = any(r.predicted_cached_tokens >= 0 for r in ok)  # a rayattn endpoint answered
     return {
@@ -255,7 +256,7 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "req_per_s": len(ok) / wall_s if wall_s else 0.0, "wall_s": wall_s,
         "per_replica": per_replica,
-        "max_replica_share": max(per_replica.values()) / len(ok) if ok else 0.0,
+        "max_replica_share": max(per_replica.values()) / len(ok) if per_replica else None,
         "paths": {p: sum(1 for r in ok if r.path == p) for p in ("prefill", "extend")},
         # The router's own account (rayattn only): conversations it moved, and tokens it
         # sent to be recomputed although another replica held them.

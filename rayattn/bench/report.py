@@ -8,11 +8,12 @@ from pathlib import Path
 from typing import Any
 
 COLUMNS = ["hit_rate", "oracle_block_hit_rate", "hit_vs_block_oracle", "ttft_p50_s",
-           "ttft_p90_s", "later_ttft_p90_s", "output_tok_per_s", "wall_s", "max_replica_share",
+           "ttft_p90_s", "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s", "wall_s",
+           "max_replica_share",
            "moves", "regret_tokens"]
 # With --peer: each row against the peer's best policy in the same run.
-RATIO_COLUMNS = ["vs_peer", "wall_ratio", "ttft_p90_ratio", "later_ttft_p90_ratio",
-                 "throughput_ratio"]
+RATIO_COLUMNS = ["vs_peer", "wall_ratio", "ttft_p90_ratio", "later_ttft_p50_ratio",
+                 "later_ttft_p90_ratio", "throughput_ratio"]
 
 
 def markdown(table: dict[str, dict[str, dict[str, Any]]], columns: list[str]) -> str:

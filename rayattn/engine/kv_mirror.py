@@ -52,10 +52,11 @@ class CurveKeys(NamedTuple):
 
 
 def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
-               keys: CurveKeys | None = None) -> Any:
+               keys: CurveKeys | None = None, connect: bool = True) -> Any:
     """A ZMQ SUB socket on a KV event stream: everything, a bounded queue (a dropped batch
     only forces a resync), no linger on close; CurveZMQ with `server_key` (the publisher's
-    public key) and this subscriber's `keys`."""
+    public key) and this subscriber's `keys`. `connect=False`: the caller connects (after
+    attaching a monitor, say)."""
     import zmq
 
     sock = ctx.socket(zmq.SUB)
@@ -65,7 +66,8 @@ def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
     if server_key is not None and keys is not None:
         sock.curve_serverkey = server_key
         sock.curve_publickey, sock.curve_secretkey = keys
-    sock.connect(endpoint)
+    if connect:
+        sock.connect(endpoint)
     return sock
 
 

@@ -31,6 +31,7 @@ from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
 from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
+from rayattn.routing.priority import extend_first
 from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.routing.targets import replica_of, split, targets
 from rayattn.server.background import detached
@@ -98,6 +99,8 @@ class RouterSnapshot:
     regret_tokens: dict[str, int] = field(default_factory=dict)
     """By decision reason, since start or the last reset (routing/core.py)."""
     session_moves: dict[str, int] = field(default_factory=dict)
+    syncing: list[str] = field(default_factory=list)
+    """Targets up whose KV event view is still being taken (kv_feeds.SYNC_GRACE_S)."""
 
 
 @dataclass
@@ -161,6 +164,7 @@ class Dispatcher:
         """LoRA adapters this router loaded at run time (name: path): loaded again on
         replicas that start later."""
         self._loading: set[tuple[str, str]] = set()
+        self._fcfs_warned: set[str] = set()
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -310,7 +314,7 @@ class Dispatcher:
         return RouterSnapshot(self.live(), len(self.fleet.members), self.fleet.joined,
                               core.policy, core.index_mode, self.admission.limit,
                               {**self.counts, **self.gates.counts()}, engines,
-                              core.regret_tokens, core.session_moves)
+                              core.regret_tokens, core.session_moves, self.feeds.syncing())
 
     def _status(self, r: Replica, n: str, core: CoreSnapshot) -> EngineStatus:
         """Target `n` of replica `r`, as /health shows it."""
@@ -533,6 +537,22 @@ class Dispatcher:
             if not wake.done():
                 wake.set_result(None)
 
+    def _priority(self, replica: str, d: Decision, sent: float) -> int | None:
+        """vLLM's priority for `d` (router.extend_first), where the replica's engine runs
+        the priority scheduler; None leaves the request's own."""
+        factor = self.core.settings["extend_first"]
+        member = self.fleet.members.get(replica)
+        if factor <= 0 or member is None or member.info is None:
+            return None
+        if member.info.scheduling_policy != "priority":
+            if replica not in self._fcfs_warned:
+                self._fcfs_warned.add(replica)
+                log.warning("router.extend_first is set but engine %s runs vLLM's %s "
+                            "scheduler (set at its start-up): its requests keep their "
+                            "arrival order", replica, member.info.scheduling_policy)
+            return None
+        return extend_first(sent, d.uncached_tokens, self.core.prefill_s_per_token, factor)
+
     async def _call(self, d: Decision, req: OpenAIRequest, route: RouteRequest,
                     tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
@@ -544,6 +564,7 @@ class Dispatcher:
         try:
             self.core.dispatched(d, route)
             sent, sent_mono = time.time(), time.monotonic()
+            req.priority = self._priority(replica, d, sent)
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:

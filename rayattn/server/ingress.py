@@ -202,6 +202,14 @@ class Ingress:
 
     async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
                         rid: str, slot: Slot, tenant: str, model: ModelRoute) -> Response:
+        if getattr(body, "priority", 0) and \
+                model.dispatcher.core.settings["extend_first"] > 0:
+            # The router orders requests itself; a client's own priority would let one
+            # tenant's requests overtake every other tenant's.
+            slot.release()
+            return APIError(400, "priority: set by the router here (extend-first scheduling, "
+                                 "router.extend_first); send 0 or leave it out",
+                            param="priority").response()
         try:
             prompt = await model.render(kind, body)
         except APIError as e:
@@ -470,17 +478,27 @@ class Ingress:
         first = next(iter(snaps.values()))
         live = [r for s in snaps.values() for r in s.replicas_up]
         # Ready when every model has an engine serving: a balancer must not send a model's
-        # requests to a router that cannot serve them.
-        ready = all(s.replicas_up for s in snaps.values())
-        body: dict[str, Any] = {"status": "ok" if ready else "unavailable",
-                                "reason": None if ready else self._not_ready().message,
+        # requests to a router that cannot serve them. Nor, for a few seconds, while the
+        # router's view of an engine's cache is still being taken: routed now, a
+        # conversation's next turn would find no history (a new router replica among
+        # others, or one restarted).
+        syncing = [t for s in snaps.values() for t in s.syncing]
+        ready = all(s.replicas_up for s in snaps.values()) and not syncing
+        reason = None
+        if syncing:  # a count: replica names are for operators
+            reason = (f"not ready: taking the KV cache view of {len(syncing)} engine "
+                      "replica(s); retry shortly")
+        elif not ready:
+            reason = self._not_ready().message
+        body: dict[str, Any] = {"status": "ok" if ready else "unavailable", "reason": reason,
                                 "up": len(live), "of": sum(s.replicas for s in snaps.values())}
         headers = None if ready else {"Retry-After": "5"}
         if not self._is_admin(request):
             # Probes need only the status; pids, GPU ids, replica names and live load are
             # for operators.
             return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
-        body |= {"replicas_up": live, "replicas": sum(s.replicas for s in snaps.values()),
+        body |= {"replicas_up": live, "syncing": syncing,
+                 "replicas": sum(s.replicas for s in snaps.values()),
                  "joined": sum(s.joined for s in snaps.values()), "policy": first.policy,
                  "router_pid": os.getpid(), "front_door": self.front_door,
                  "limits": {"max_inflight": first.max_inflight},
@@ -618,6 +636,8 @@ def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> 
             "predicted_reload_tokens": d.predicted_reload_tokens, "path": t.get("path"),
             "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
             "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
+            # What vLLM's scheduler ordered the request by (router.extend_first).
+            "engine_priority": t.get("priority"),
             "served_by": last.served_by,
             "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
             # The router's own hop: request in (after the HTTP proxy) → engine call issued.

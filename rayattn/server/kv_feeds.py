@@ -25,6 +25,13 @@ log = logging.getLogger("rayattn.kv_events")
 STALE_S = 10.0
 """How long a feed may stay silent after its engine finished a request that must have
 stored new blocks, before the router stops trusting it and resyncs."""
+SYNC_GRACE_S = 15.0
+"""How long the router reports itself not ready while a new feed takes its first snapshot
+(/health): routed before that, a conversation's later turn finds no history and is placed
+cold. A feed that never syncs (a broken publisher) stops holding readiness after this."""
+HANDSHAKE_S = 2.0
+"""How long a (re)sync waits for the subscription's connection before taking the snapshot
+anyway (a gap found later resyncs)."""
 
 
 class FeedSink(CacheSink, Protocol):
@@ -103,7 +110,14 @@ class KVFeeds:
         if feed is None:
             return {}
         return {"seq": feed.last_seq, "resyncs": feed.resyncs, "batches": feed.batches,
-                "stale": feed.stale}
+                "stale": feed.stale, "synced": feed.synced_at is not None}
+
+    def syncing(self, grace_s: float = SYNC_GRACE_S) -> list[str]:
+        """Targets whose feed has not applied its first snapshot yet, within `grace_s` of
+        joining: the router's view of them is still empty."""
+        now = time.monotonic()
+        return [n for n, f in self.feeds.items()
+                if f.synced_at is None and now - f.started_at < grace_s]
 
     def expect(self, name: str, since: float) -> None:
         """`name`'s engine finished a request, sent at `since` (monotonic), that filled new
@@ -132,9 +146,12 @@ class KVFeeds:
 class EventFeed:
     """Follows one engine's event stream into `sink` (a router's view of that engine).
 
-    Order of operations on (re)sync: subscribe first, then fetch the engine replica's
-    snapshot (its mirror's state at sequence S), drop buffered batches ≤ S, apply the rest.
-    A batch whose sequence is not last+1 means batches were lost: resync."""
+    Order of operations on (re)sync: subscribe and wait until the connection's handshake is
+    done, then fetch the engine replica's snapshot (its mirror's state at sequence S), drop
+    buffered batches ≤ S, apply the rest. A batch whose sequence is not last+1 means batches
+    were lost: resync. Without the wait, a subscription still connecting when the snapshot
+    is taken (CurveZMQ on busy cores) loses the batches in between, and the router does not
+    know until the next batch shows the gap: on a quiet engine, a whole turn later."""
 
     def __init__(self, endpoint: str, sink: FeedSink,
                  snapshot: Callable[[], Awaitable[Snapshot]], name: str,
@@ -154,6 +171,9 @@ class EventFeed:
         """Since when an event has been due (KVFeeds.expect); None: none is."""
         self.heard_at = float("-inf")
         """When the last batch (or snapshot) arrived (monotonic)."""
+        self.started_at = time.monotonic()
+        self.synced_at: float | None = None
+        """When the first snapshot was applied (monotonic); None: not yet."""
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -176,7 +196,9 @@ class EventFeed:
                 if self._admit is not None:
                     # Before connecting: a handshake with a key not yet admitted is refused.
                     await self._admit()
-                sock = subscriber(ctx, self.endpoint, *(self._curve or ()))
+                sock = subscriber(ctx, self.endpoint, *(self._curve or ()),
+                                  connect=False)
+                await self._connect(sock)
                 await self._follow(sock, dec)
             except asyncio.CancelledError:
                 if sock is not None:
@@ -188,10 +210,35 @@ class EventFeed:
             if sock is not None:
                 sock.close()
 
+    async def _connect(self, sock: Any) -> None:
+        """Connect `sock` and return once its handshake with the publisher is done (or
+        after HANDSHAKE_S): from then on what the engine publishes reaches this socket."""
+        import zmq
+        from zmq.utils.monitor import parse_monitor_message
+
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        try:
+            sock.connect(self.endpoint)
+            deadline = time.monotonic() + HANDSHAKE_S
+            while (left := deadline - time.monotonic()) > 0:
+                try:
+                    msg = parse_monitor_message(await asyncio.wait_for(mon.recv_multipart(),
+                                                                       left))
+                except TimeoutError:
+                    log.warning("KV events of %s: no handshake within %.0f s", self.name,
+                                HANDSHAKE_S)
+                    break
+                if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                    break
+        finally:
+            sock.disable_monitor()
+            mon.close()
+
     async def _follow(self, sock: Any, dec: Any) -> None:
-        # Give the subscription a moment to reach the publisher (ZMQ's slow joiner), then
-        # take the snapshot; anything published meanwhile is buffered in the socket.
-        await asyncio.sleep(0.05)
+        # The subscription itself follows the handshake (ZMQ's slow joiner): a moment for it
+        # to reach the publisher, then the snapshot; what is published meanwhile is buffered
+        # in the socket.
+        await asyncio.sleep(0.02)
         snap = await self._snapshot()
         for _ in range(100):
             # After a gap the mirror may still be catching up (it fills its own gaps from
@@ -203,6 +250,8 @@ class EventFeed:
         self.sink.reset(snap)
         self.last_seq = snap.seq
         self.resyncs += 1
+        if self.synced_at is None:
+            self.synced_at = time.monotonic()
         self.expected_since, self.heard_at = None, time.monotonic()
         while True:
             parts = await sock.recv_multipart()

@@ -352,3 +352,52 @@ def test_a_feed_silent_while_events_are_due_is_resynced(publisher):
         feed.stop()
 
     asyncio.run(scenario())
+
+
+def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_it(publisher):
+    """A router that routes before its view of an engine is taken places a conversation's
+    next turn cold (seen: a second router predicted 0 of 224 cached tokens on 4 of 18 later
+    turns). The feed reports itself syncing until its first snapshot is applied, and the
+    subscription is connected before the snapshot is taken: a batch published while the
+    snapshot is being answered reaches the view without waiting for a later gap."""
+    pub, mirror = publisher
+    _send(pub, _stored([31, 32]))
+
+    async def scenario() -> None:
+        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+        assert core.joined("e0", 16, 100)
+        index = core.index
+        assert isinstance(index, EventIndex)
+        handle = _handle(mirror)
+
+        async def snapshot_while_publishing(rank: int = 0):
+            await _until(lambda: len(mirror) >= 2)
+            snap = mirror.snapshot()
+            _send(pub, _stored([33]))  # after the snapshot's sequence number
+            return snap
+
+        handle.kv_snapshot.remote = snapshot_while_publishing
+        feeds = KVFeeds(core)
+        feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), handle)
+        feed = feeds.feeds["e0"]
+        assert feeds.syncing() == ["e0"] and feeds.stats("e0")["synced"] is False
+        await _until(lambda: feed.resyncs == 1)
+        assert feeds.syncing() == [] and feeds.stats("e0")["synced"] is True
+        await _until(lambda: index.size("e0") == 3)
+        assert index.match([31, 32, 33]) == {"e0": 3}
+        assert feed.resyncs == 1 and feed.batches == 1  # no gap, no second snapshot
+        feed.stop()
+
+        # A feed whose engine never answers holds readiness only for the grace period.
+        async def never(rank: int = 0):
+            await asyncio.sleep(3600)
+
+        handle.kv_snapshot.remote = never
+        assert core.joined("e1", 16, 100)
+        feeds.join("e1", mirror.endpoint, mirror.server_key.decode(), handle)
+        await asyncio.sleep(0.2)
+        assert feeds.syncing() == ["e1"]
+        assert feeds.syncing(grace_s=0.1) == []
+        feeds.feeds["e1"].stop()
+
+    asyncio.run(scenario())
