@@ -58,6 +58,16 @@ def _send(pub, *events) -> None:
     pub.publish(KVEventBatch(ts=time.time(), events=list(events)))
 
 
+def _events_core(*replicas: str) -> tuple[RoutingCore, EventIndex]:
+    """The router's own wiring: a routing core that follows events, these replicas joined."""
+    core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+    for name in replicas:
+        assert core.joined(name, 16, 100)
+    index = core.index
+    assert isinstance(index, EventIndex)
+    return core, index
+
+
 async def _until(cond, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -76,12 +86,7 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
     assert mirror.snapshot().keys == [11, 12, 13]
 
     async def scenario() -> None:
-        # The router's own wiring: a routing core that follows events, its feeds.
-        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
-        assert core.joined("e0", 16, 100)
-        index = core.index
-        assert isinstance(index, EventIndex)
-
+        core, index = _events_core("e0")
         feeds = KVFeeds(core)
         feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
         feed = feeds.feeds["e0"]
@@ -136,9 +141,7 @@ def test_each_dp_rank_of_an_engine_is_followed_as_a_target_of_its_own():
         names = targets("engine-a", 2)
 
         async def scenario() -> None:
-            core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
-            for name in names:
-                assert core.joined(name, 16, 100)
+            core, _ = _events_core(*names)
             feeds = KVFeeds(core)
             handle = _handle(*mirrors)
             for rank, name in enumerate(names):
@@ -224,9 +227,7 @@ def test_host_tier_events_reach_the_index_beside_the_gpu_cache(publisher):
     assert snap.keys == [4] and sorted(snap.offloaded) == [1, 2, 2, 3, 4]
 
     async def scenario() -> None:
-        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
-        assert core.joined("e0", 16, 100) and core.joined("e1", 16, 100)
-        index = core.index
+        core, index = _events_core("e0", "e1")
 
         feeds = KVFeeds(core)
         feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
@@ -326,8 +327,7 @@ def test_a_feed_silent_while_events_are_due_is_resynced(publisher):
     pub, mirror = publisher
 
     async def scenario() -> None:
-        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
-        assert core.joined("e0", 16, 100)
+        core, _ = _events_core("e0")
         feeds = KVFeeds(core)
         feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
         feed = feeds.feeds["e0"]
@@ -364,10 +364,7 @@ def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_
     _send(pub, _stored([31, 32]))
 
     async def scenario() -> None:
-        core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
-        assert core.joined("e0", 16, 100)
-        index = core.index
-        assert isinstance(index, EventIndex)
+        core, index = _events_core("e0")
         handle = _handle(mirror)
 
         async def snapshot_while_publishing(rank: int = 0):
