@@ -178,24 +178,16 @@ def client(server):
 
 @pytest.fixture
 def reset(server):
-    """Cold caches, a chosen policy and router settings for one test; back to affinity and
-    the deployment's settings afterwards."""
+    """Cold caches and a chosen policy for one test; back to affinity afterwards."""
     import httpx
 
-    from rayattn.config.loader import parse_args
-
-    touched: set[str] = set()
-
-    def _reset(policy: str = "affinity", **settings) -> None:
-        touched.update(settings)
-        r = httpx.post(f"{server}/admin/reset", json={"policy": policy, "settings": settings},
-                       timeout=60)
+    def _reset(policy: str = "affinity") -> None:
+        r = httpx.post(f"{server}/admin/reset", json={"policy": policy}, timeout=60)
         assert r.status_code == 200, r.text
         assert r.json()["policy"] == policy
 
     yield _reset
-    router = parse_args(local_args()).router.model_dump()
-    _reset("affinity", **{k: router[k] for k in touched})
+    _reset("affinity")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -44,7 +44,7 @@ from common import (  # noqa: E402
     wait_http,
 )
 
-from rayattn.bench.cli import variant  # noqa: E402,F401  (dp_ranks.py takes it from here)
+from rayattn.bench.cli import variant  # noqa: E402
 
 PEER_PORTS = (8101, 8102)
 
@@ -91,9 +91,6 @@ def peer_command(kw: dict, port: int, name: str) -> list[str]:
              "gpu_memory_utilization": "--gpu-memory-utilization",
              "max_num_seqs": "--max-num-seqs",
              "max_num_batched_tokens": "--max-num-batched-tokens",
-             # priority where rayattn's router sends priorities (extend-first): the peers
-             # send none, so theirs run first-come-first-served as before
-             "scheduling_policy": "--scheduling-policy",
              "prefix_caching_hash_algo": "--prefix-caching-hash-algo",
              # the same host KV tier as rayattn's engines (engine.kv_offload)
              "kv_offloading_size": "--kv-offloading-size",

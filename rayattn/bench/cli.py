@@ -14,16 +14,17 @@ POLICIES = list(REGISTRY)
 
 
 def variant(policy: str) -> tuple[str, dict]:
-    """`affinity@extend_first=4;load_slack=8`: a policy with router settings of its own for
-    its runs (applied with the reset, on the same engines); `affinity@predicted`: with that
-    index mode."""
+    """`affinity@load_slack=8;min_match_fraction=0.2`: a policy with router settings of its
+    own for its runs (applied with the reset, on the same engines); `affinity@predicted`:
+    with that index mode."""
     import yaml
 
     name, _, rest = policy.partition("@")
-    if rest and "=" not in rest:
-        return name, {"index": rest}
-    return name, {k: yaml.safe_load(v) for k, v in
-                  (kv.split("=", 1) for kv in rest.split(";") if kv)}
+    settings = {}
+    for kv in filter(None, rest.split(";")):
+        key, eq, value = kv.partition("=")
+        settings.update({key: yaml.safe_load(value)} if eq else {"index": key})
+    return name, settings
 
 
 def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str, float]:
@@ -92,7 +93,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
         multi_turn,
         shared_prefix,
     )
-    from rayattn.config.loader import app_args, parse_args
+    from rayattn.config.loader import rayattn_apps
     from rayattn.models.embedded import resolve_embedded
 
     # Checked before anything starts: a typo must not cost the rayattn half of the run.
@@ -121,22 +122,24 @@ def cmd_bench(a: argparse.Namespace) -> int:
     table: dict = {}
     raw: dict = {}
     if a.policies:
+        policies = a.policies.split(",")
+        if a.index:
+            policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
+        # Each run sets every setting some variant changes: back to the config's value where
+        # its own variant does not name it. Checked before anything starts.
+        router_cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0][1].router
+        unknown = {k for pol in policies for k in variant(pol)[1]} - set(router_cfg.model_fields)
+        if unknown:
+            raise SystemExit(f"--policies: {', '.join(sorted(unknown))} not router settings")
+        base = {k: getattr(router_cfg, k) for pol in policies for k in variant(pol)[1]}
+
         url = a.target
         if url is None:
             url, startup = start_local(a.port, a.config)
             print(f"local deployment up in {startup:.1f}s at {url}")
 
-        policies = a.policies.split(",")
-        if a.index:
-            policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
-        # Each run sets every setting some variant changes: back to the config's value where
-        # its own variant does not name it.
-        router_cfg = parse_args(app_args(yaml.safe_load(Path(a.config).read_text())
-                                         ["applications"][0])).router.model_dump()
-        base = {k: router_cfg[k] for pol in policies for k in variant(pol)[1]}
-
         def rayattn_policy(pol: str) -> None:
-            # "affinity@predicted", "affinity@extend_first=4": switched live with the reset.
+            # "affinity@predicted", "affinity@load_slack=8": switched live with the reset.
             policy, settings = variant(pol)
             r = httpx.post(f"{url}/admin/reset", json={"policy": policy,
                                                        "settings": {**base, **settings}},
@@ -476,7 +479,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--config", default="deployments/local.yaml",
                    help="Serve config whose engines both stacks use")
     b.add_argument("--policies", default=",".join(POLICIES),
-                   help="rayattn policies (empty: peer only)")
+                   help="rayattn policies, each optionally with router settings of its own "
+                        "(affinity@load_slack=8;min_match_fraction=0.2); empty: peer only")
     b.add_argument("--index", help="router index modes to compare, e.g. events,predicted "
                                    "(default: leave the router's index as it is)")
     b.add_argument("--ingress", help="router replica counts to compare, e.g. 1,4 (local "

@@ -245,7 +245,7 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
     ttfts = sorted(r.ttft_s for r in ok)
     per_replica: dict[str, int] = {}
     for r in ok:
-        if r.replica:  # a peer does not say (its share comes from its engines' counters)
+        if r.replica:  # a peer does not say which of its engines answered
             per_replica[r.replica] = per_replica.get(r.replica, 0) + 1
     prompt = sum(r.prompt_tokens for r in ok)
     ours = any(r.predicted_cached_tokens >= 0 for r in ok)  # a rayattn endpoint answered

@@ -282,8 +282,7 @@ def _check_frontend(m: Any) -> list[str]:
 _OWN_KWARGS = {"data_parallel_size": "parallelism.engine_dp_size (or dp_attention)",
                "enable_lora": "model.lora", "max_loras": "model.lora.max_loras",
                "max_cpu_loras": "model.lora.max_cpu_loras",
-               "max_lora_rank": "model.lora.max_lora_rank",
-               "scheduling_policy": "engine.scheduling_policy"}
+               "max_lora_rank": "model.lora.max_lora_rank"}
 _OWN_ENV = {"VLLM_ENABLE_RESPONSES_API_STORE": "engine.responses_store",
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "model.lora.runtime_updates"}
 
@@ -349,9 +348,6 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     if not cfg.engine.enable_prefix_caching and \
             policies.spec(cfg.router.policy).uses_prefix_cache:
         notes.append("prefix caching is off: the affinity router can only balance load")
-    if cfg.router.extend_first and cfg.engine.scheduling_policy != "priority":
-        notes.append("router.extend_first is set but engine.scheduling_policy is "
-                     "fcfs: the router sends no priorities (engines keep arrival order)")
 
     bundles, strategy = placement(cfg)
     auto = cfg.serve.engine_autoscaling
@@ -434,7 +430,6 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
         max_num_seqs=e.max_num_seqs,
         enable_prefix_caching=e.enable_prefix_caching,
         enable_chunked_prefill=e.enable_chunked_prefill,
-        scheduling_policy=e.scheduling_policy,
         prefix_caching_hash_algo=e.prefix_caching_hash_algo,
         enforce_eager=e.enforce_eager or cfg.platform.kind == "cpu",
         # Stats stay on because rayattn always passes custom stat loggers (AsyncLLM keeps

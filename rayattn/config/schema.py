@@ -263,10 +263,6 @@ class EngineConfig(_Strict):
     """Reuse KV blocks of shared prefixes. The router's affinity only pays off with it on."""
     enable_chunked_prefill: bool = True
     """Split long prompts across steps so decodes are not starved."""
-    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
-    """vLLM's scheduler: `fcfs` runs waiting requests in arrival order; `priority` by each
-    request's priority, which the router then sets (router.extend_first:
-    turns that extend a cached history before cold prefills)."""
     prefix_caching_hash_algo: PrefixCachingHashAlgo = "sha256"
     """Block hash function; the router uses the same one to predict cache hits."""
     enforce_eager: bool = False
@@ -389,17 +385,6 @@ class RouterConfig(_Strict):
     channel (`_by_reference=False`), one message per streamed chunk on a persistent
     connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
     is a Ray object with an ownership round trip (slower per chunk)."""
-    extend_first: float = Field(0.0, ge=0)
-    """Extend-first scheduling: each request's vLLM priority (lower runs first) is the time
-    the router sends it plus this many times its predicted prefill time (its uncached tokens
-    × the router's fitted prefill rate). A turn that extends a cached history then overtakes
-    the cold prefills queued in the engine ahead of it, and a long prompt waits at most this
-    many times its own prefill time longer than in arrival order (no starvation, unlike
-    shortest-first). Applies to engines that run vLLM's priority scheduler
-    (engine.scheduling_policy: priority, set at their start-up; this setting changes live);
-    clients may not send their own `priority` then (one tenant could starve the others).
-    0: off. Like SGLang's longest-prefix-match scheduling, with the router's prediction
-    across replicas (routing/priority.py)."""
     kv_admission: bool = False
     """Cache-pressure-aware admission: a request waits in the router while its engine's
     running requests plus the histories of its live conversations (by `session_header`)

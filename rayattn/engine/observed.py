@@ -27,13 +27,9 @@ class Observation:
     """One client request: one engine request, or several for a completion with a list of
     prompts (their counts add up; token ids and timings are the first one's)."""
 
-    def __init__(self, engine_rank: int | None = None, priority: int | None = None) -> None:
+    def __init__(self, engine_rank: int | None = None) -> None:
         self.engine_rank = engine_rank
         """The DP rank the router chose for this request (None: vLLM's balancer picks)."""
-        self.priority = priority
-        """The scheduling priority the router gave it (None: the body's own)."""
-        self.scheduled_by: int | None = None
-        """The priority vLLM's generate() was given (the router's, else the body's)."""
         self.start = time.monotonic()
         self.first_token_at: float | None = None
         self.prompt_tokens = 0
@@ -93,9 +89,6 @@ class ObservedEngine:
             if obs.engine_rank is not None:
                 # vLLM's serving layer passes the rank it read from a header (None here).
                 kwargs["data_parallel_rank"] = obs.engine_rank
-            if obs.priority is not None:
-                kwargs["priority"] = obs.priority
-            obs.scheduled_by = kwargs.get("priority")
         async for out in self._engine.generate(*args, **kwargs):
             if obs is not None:
                 try:

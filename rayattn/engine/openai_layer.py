@@ -106,7 +106,7 @@ class OpenAILayer:
         except ValidationError as e:  # the router validated it already: a version skew
             yield Reply(_error_json(400, str(e.errors()[:3])), 400, final=True)
             return
-        obs = observed.Observation(req.engine_rank, req.priority)
+        obs = observed.Observation(req.engine_rank)
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
         given = req.engine_inputs if self.takes_rendered else None
         _rendered.set(given)
@@ -161,9 +161,7 @@ class OpenAILayer:
         reply = Reply(data, final=True, prompt_tokens=obs.prompt_tokens,
                       num_cached_tokens=obs.num_cached_tokens,
                       completion_tokens=obs.completion_tokens, token_ids=obs.token_ids,
-                      timings=(obs.timings if obs.scheduled_by is None
-                               else {**obs.timings, "priority": obs.scheduled_by}),
-                      served_by=self.identity,
+                      timings=obs.timings, served_by=self.identity,
                       rendered_by_router=obs.rendered_by_router, **self.report(req.engine_rank))
         t = obs.timings
         if t and req.trace and self.tracing is not None:

@@ -32,9 +32,6 @@ class OpenAIRequest:
     engine_rank: int | None = None
     """The DP rank inside the engine that runs the request (the router's target,
     routing/targets.py); None lets vLLM's own balancer pick one."""
-    priority: int | None = None
-    """vLLM's scheduling priority the router gave the request (router.extend_first, on an
-    engine that runs vLLM's priority scheduler); None: the body's own."""
 
 
 @dataclass
@@ -109,8 +106,6 @@ class EngineInfo:
     """The engine's DP ranks (one where it runs no DP inside), each with its own KV cache."""
     host_kv_gib: float = 0.0
     """Its host-memory KV tier (engine.kv_offload.size_gib; 0: none)."""
-    scheduling_policy: str = "fcfs"
-    """vLLM's scheduler policy: `priority` takes the router's priorities."""
     engine_pids: list[int] = field(default_factory=list)
     devices: list[str | None] = field(default_factory=list)
     """GPU UUIDs, one per worker ([] on CPU)."""

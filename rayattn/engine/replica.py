@@ -103,7 +103,6 @@ class EngineReplica:
             "num_gpu_blocks": int(cache.num_gpu_blocks or 0),
             "max_model_len": self.engine.vllm_config.model_config.max_model_len,
             "max_num_seqs": self.engine.vllm_config.scheduler_config.max_num_seqs,
-            "scheduling_policy": str(self.engine.vllm_config.scheduler_config.policy),
             "startup_s": round(time.monotonic() - t0, 2),
             "host_kv_gib": (cfg.engine.kv_offload.size_gib if cfg.engine.kv_offload.enabled
                             else 0.0),

@@ -128,14 +128,6 @@ class RoutingCore:
         return self.hasher.block_size
 
     @property
-    def prefill_s_per_token(self) -> float:
-        """The engines' prefill time per token: the policy's fitted rate where it fits one
-        (affinity), else the configured start value."""
-        cost = getattr(self.policy, "cost", None)
-        return cost.prefill_s_per_token if cost is not None else \
-            self.settings["prefill_s_per_token"]
-
-    @property
     def index_mode(self) -> str:
         return self.settings["index"]
 

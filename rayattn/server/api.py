@@ -77,5 +77,7 @@ class Router(Ingress):
         # async: Serve then runs it on the replica's event loop, where the KV feeds live.
         self.apply_router_config(router)
         # Serve calls this once before the replica takes traffic: a router that starts
-        # while others serve (an update) knows the engines before its first request.
+        # while others serve (an update) knows the engines, and what their caches hold,
+        # before its first request.
         await self._start()
+        await self.synced()

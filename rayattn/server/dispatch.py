@@ -31,7 +31,6 @@ from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
 from rayattn.routing.kv_budget import DEFAULT_OUTPUT_TOKENS
 from rayattn.routing.policies import Decision, RouteRequest
-from rayattn.routing.priority import extend_first
 from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.routing.targets import replica_of, split, targets
 from rayattn.server.background import detached
@@ -164,7 +163,6 @@ class Dispatcher:
         """LoRA adapters this router loaded at run time (name: path): loaded again on
         replicas that start later."""
         self._loading: set[tuple[str, str]] = set()
-        self._fcfs_warned: set[str] = set()
 
     # --- fleet view -------------------------------------------------------------------
     def live(self) -> list[str]:
@@ -537,22 +535,6 @@ class Dispatcher:
             if not wake.done():
                 wake.set_result(None)
 
-    def _priority(self, replica: str, d: Decision, sent: float) -> int | None:
-        """vLLM's priority for `d` (router.extend_first), where the replica's engine runs
-        the priority scheduler; None leaves the request's own."""
-        factor = self.core.settings["extend_first"]
-        member = self.fleet.members.get(replica)
-        if factor <= 0 or member is None or member.info is None:
-            return None
-        if member.info.scheduling_policy != "priority":
-            if replica not in self._fcfs_warned:
-                self._fcfs_warned.add(replica)
-                log.warning("router.extend_first is set but engine %s runs vLLM's %s "
-                            "scheduler (set at its start-up): its requests keep their "
-                            "arrival order", replica, member.info.scheduling_policy)
-            return None
-        return extend_first(sent, d.uncached_tokens, self.core.prefill_s_per_token, factor)
-
     async def _call(self, d: Decision, req: OpenAIRequest, route: RouteRequest,
                     tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
@@ -564,7 +546,6 @@ class Dispatcher:
         try:
             self.core.dispatched(d, route)
             sent, sent_mono = time.time(), time.monotonic()
-            req.priority = self._priority(replica, d, sent)
             try:
                 gen = self._stream_handle(replica).serve.remote(req)
             except Exception as e:

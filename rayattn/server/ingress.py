@@ -120,6 +120,12 @@ class Ingress:
         for route in self.routes.values():
             await route.start()
 
+    async def synced(self) -> None:
+        """Return once every engine's KV event view has its first snapshot, or the feeds'
+        start-up grace (kv_feeds.SYNC_GRACE_S) is over."""
+        while any(d.feeds.syncing() for d in self.dispatchers):
+            await asyncio.sleep(0.05)
+
     async def _body(self, request: Request, kind: str,
                     key: str | None) -> tuple[dict[str, Any], Any, ModelRoute]:
         """The JSON body, in the caller's cache namespace, vLLM's request model of it
@@ -202,14 +208,6 @@ class Ingress:
 
     async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
                         rid: str, slot: Slot, tenant: str, model: ModelRoute) -> Response:
-        if getattr(body, "priority", 0) and \
-                model.dispatcher.core.settings["extend_first"] > 0:
-            # The router orders requests itself; a client's own priority would let one
-            # tenant's requests overtake every other tenant's.
-            slot.release()
-            return APIError(400, "priority: set by the router here (extend-first scheduling, "
-                                 "router.extend_first); send 0 or leave it out",
-                            param="priority").response()
         try:
             prompt = await model.render(kind, body)
         except APIError as e:
@@ -478,16 +476,15 @@ class Ingress:
         first = next(iter(snaps.values()))
         live = [r for s in snaps.values() for r in s.replicas_up]
         # Ready when every model has an engine serving: a balancer must not send a model's
-        # requests to a router that cannot serve them. Nor, for a few seconds, while the
-        # router's view of an engine's cache is still being taken: routed now, a
-        # conversation's next turn would find no history (a new router replica among
-        # others, or one restarted).
+        # requests to a router that cannot serve them. Nor, while it starts, before its view
+        # of each engine's cache is taken (Serve holds traffic back until then too, see
+        # Router.reconfigure): routed now, a conversation's next turn would find no history.
         syncing = [t for s in snaps.values() for t in s.syncing]
         ready = all(s.replicas_up for s in snaps.values()) and not syncing
         reason = None
         if syncing:  # a count: replica names are for operators
             reason = (f"not ready: taking the KV cache view of {len(syncing)} engine "
-                      "replica(s); retry shortly")
+                      "target(s); retry shortly")
         elif not ready:
             reason = self._not_ready().message
         body: dict[str, Any] = {"status": "ok" if ready else "unavailable", "reason": reason,
@@ -636,8 +633,6 @@ def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> 
             "predicted_reload_tokens": d.predicted_reload_tokens, "path": t.get("path"),
             "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
             "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
-            # What vLLM's scheduler ordered the request by (router.extend_first).
-            "engine_priority": t.get("priority"),
             "served_by": last.served_by,
             "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
             # The router's own hop: request in (after the HTTP proxy) → engine call issued.

@@ -26,9 +26,10 @@ STALE_S = 10.0
 """How long a feed may stay silent after its engine finished a request that must have
 stored new blocks, before the router stops trusting it and resyncs."""
 SYNC_GRACE_S = 15.0
-"""How long the router reports itself not ready while a new feed takes its first snapshot
-(/health): routed before that, a conversation's later turn finds no history and is placed
-cold. A feed that never syncs (a broken publisher) stops holding readiness after this."""
+"""How long a starting router waits for its feeds' first snapshots before it takes traffic
+(and answers /health with 503 meanwhile): routed before that, a conversation's later turn
+finds no history and is placed cold. A feed that cannot sync (its engine does not answer the
+snapshot call) holds the router back no longer than this."""
 HANDSHAKE_S = 2.0
 """How long a (re)sync waits for the subscription's connection before taking the snapshot
 anyway (a gap found later resyncs)."""
@@ -77,6 +78,7 @@ class KVFeeds:
         self.keys = CurveKeys.new()
         """This router's key pair: engines admit its public key (kv_subscribe), and the
         secret never leaves this process."""
+        self.created_at = time.monotonic()
 
     def join(self, name: str, endpoint: str | None, server_key: str | None,
              handle: Any, rank: int = 0) -> None:
@@ -113,11 +115,13 @@ class KVFeeds:
                 "stale": feed.stale, "synced": feed.synced_at is not None}
 
     def syncing(self, grace_s: float = SYNC_GRACE_S) -> list[str]:
-        """Targets whose feed has not applied its first snapshot yet, within `grace_s` of
-        joining: the router's view of them is still empty."""
-        now = time.monotonic()
-        return [n for n, f in self.feeds.items()
-                if f.synced_at is None and now - f.started_at < grace_s]
+        """While the router starts (the first `grace_s`): targets whose feed has not applied
+        its first snapshot, i.e. whose view is still empty. Feeds that join later do not
+        count: a new engine's cache is as empty as its view, and a reset or a new index
+        resyncs a view the router already routed by."""
+        if time.monotonic() - self.created_at >= grace_s:
+            return []
+        return [n for n, f in self.feeds.items() if f.synced_at is None]
 
     def expect(self, name: str, since: float) -> None:
         """`name`'s engine finished a request, sent at `since` (monotonic), that filled new
@@ -171,7 +175,6 @@ class EventFeed:
         """Since when an event has been due (KVFeeds.expect); None: none is."""
         self.heard_at = float("-inf")
         """When the last batch (or snapshot) arrived (monotonic)."""
-        self.started_at = time.monotonic()
         self.synced_at: float | None = None
         """When the first snapshot was applied (monotonic); None: not yet."""
         self._task: asyncio.Task | None = None
@@ -212,24 +215,27 @@ class EventFeed:
 
     async def _connect(self, sock: Any) -> None:
         """Connect `sock` and return once its handshake with the publisher is done (or
-        after HANDSHAKE_S): from then on what the engine publishes reaches this socket."""
+        after HANDSHAKE_S): from then on what the engine publishes reaches this socket. A
+        refused handshake (a key the engine has not admitted, say) raises: the feed admits
+        itself again and retries instead of taking a snapshot it would never follow."""
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 
-        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        failed = (zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                  | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL)
+        mon = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | failed)
         try:
             sock.connect(self.endpoint)
-            deadline = time.monotonic() + HANDSHAKE_S
-            while (left := deadline - time.monotonic()) > 0:
-                try:
-                    msg = parse_monitor_message(await asyncio.wait_for(mon.recv_multipart(),
-                                                                       left))
-                except TimeoutError:
-                    log.warning("KV events of %s: no handshake within %.0f s", self.name,
-                                HANDSHAKE_S)
-                    break
-                if msg["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                    break
+            try:
+                msg = parse_monitor_message(await asyncio.wait_for(mon.recv_multipart(),
+                                                                   HANDSHAKE_S))
+            except TimeoutError:
+                log.warning("KV events of %s: no handshake within %.0f s", self.name,
+                            HANDSHAKE_S)
+                return
+            if msg["event"] & failed:
+                raise ConnectionError(f"KV events of {self.name}: handshake refused "
+                                      f"(event {msg['event']})")
         finally:
             sock.disable_monitor()
             mon.close()

@@ -385,7 +385,8 @@ def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_
         assert feed.resyncs == 1 and feed.batches == 1  # no gap, no second snapshot
         feed.stop()
 
-        # A feed whose engine never answers holds readiness only for the grace period.
+        # A feed whose engine never answers holds readiness back only while the router
+        # starts (the grace period after its feeds were created).
         async def never(rank: int = 0):
             await asyncio.sleep(3600)
 
@@ -396,5 +397,32 @@ def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_
         assert feeds.syncing() == ["e1"]
         assert feeds.syncing(grace_s=0.1) == []
         feeds.feeds["e1"].stop()
+
+    asyncio.run(scenario())
+
+
+def test_a_feed_whose_handshake_is_refused_does_not_count_as_synced(publisher):
+    """A router whose key the engine never admitted is refused at the CurveZMQ handshake:
+    its feed must not take a snapshot it could never follow (and report itself synced, its
+    view frozen); it admits itself again and retries."""
+    pub, mirror = publisher
+
+    async def scenario() -> None:
+        core, _ = _events_core("e0")
+        handle = _handle(mirror)
+        admissions = 0
+
+        async def refused(key: str) -> None:  # the engine forgets to admit this router
+            nonlocal admissions
+            admissions += 1
+
+        handle.kv_subscribe.remote = refused
+        feeds = KVFeeds(core)
+        feeds.join("e0", mirror.endpoint, mirror.server_key.decode(), handle)
+        feed = feeds.feeds["e0"]
+        await _until(lambda: admissions >= 2)  # refused, admitted again, retried
+        assert feed.synced_at is None and feed.resyncs == 0
+        assert feeds.syncing() == ["e0"]
+        feed.stop()
 
     asyncio.run(scenario())
