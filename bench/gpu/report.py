@@ -93,7 +93,9 @@ def routing(path: Path, tok, out: Path) -> dict:
             continue
         a = agg.setdefault((r["workload"], r["stack"], r["policy"]), defaultdict(list))
         for k in keys:
-            a[k].append(r.get(k, float("nan")))  # later_* only in runs since 01d6db2
+            # later_* only in runs since 01d6db2; a share is None where no replica is known
+            v = r.get(k)
+            a[k].append(float("nan") if v is None else v)
     table = {f"{w}|{s}|{p}": {k: statistics.mean(v) for k, v in a.items()} | {
         "n": len(a["hit_rate"]), "values": {k: v for k, v in a.items()}}
         for (w, s, p), a in agg.items()}

@@ -7,10 +7,29 @@ import asyncio
 import json
 from dataclasses import asdict
 from pathlib import Path
+from typing import Any
 
 from rayattn.routing.policies import REGISTRY
 
 POLICIES = list(REGISTRY)
+
+
+def variant_base(policies: list[str], router: Any) -> dict:
+    """The config's value of every router setting some variant changes (each run sets
+    them all, so a run does not inherit the previous variant's), after checking that every
+    variant is a valid router config: a typo must not surface after the start-up."""
+    from pydantic import ValidationError
+
+    from rayattn.config.schema import RouterConfig
+
+    config = router.model_dump(mode="json")
+    for pol in policies:
+        name, settings = variant(pol)
+        try:
+            RouterConfig.model_validate({**config, **settings, "policy": name})
+        except (ValidationError, ValueError) as e:
+            raise SystemExit(f"--policies: {pol!r} is not a valid router config: {e}") from None
+    return {k: config[k] for pol in policies for k in variant(pol)[1]}
 
 
 def variant(policy: str) -> tuple[str, dict]:
@@ -124,14 +143,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     if a.policies:
         policies = a.policies.split(",")
         if a.index:
-            policies = [f"{p}@{i}" for p in policies for i in a.index.split(",")]
+            policies = [f"{p}{';' if '@' in p else '@'}{i}" for p in policies
+                        for i in a.index.split(",")]
         # Each run sets every setting some variant changes: back to the config's value where
-        # its own variant does not name it. Checked before anything starts.
-        router_cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0][1].router
-        unknown = {k for pol in policies for k in variant(pol)[1]} - set(router_cfg.model_fields)
-        if unknown:
-            raise SystemExit(f"--policies: {', '.join(sorted(unknown))} not router settings")
-        base = {k: getattr(router_cfg, k) for pol in policies for k in variant(pol)[1]}
+        # its own variant does not name it (--config's: with --target, the same file).
+        # Every variant is validated before anything starts.
+        router = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0][1].router
+        base = variant_base(policies, router)
 
         url = a.target
         if url is None:

@@ -256,7 +256,8 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
         "output_tok_per_s": sum(r.completion_tokens for r in ok) / wall_s if wall_s else 0.0,
         "req_per_s": len(ok) / wall_s if wall_s else 0.0, "wall_s": wall_s,
         "per_replica": per_replica,
-        "max_replica_share": max(per_replica.values()) / len(ok) if per_replica else None,
+        "max_replica_share": (max(per_replica.values()) / sum(per_replica.values())
+                              if per_replica else None),
         "paths": {p: sum(1 for r in ok if r.path == p) for p in ("prefill", "extend")},
         # The router's own account (rayattn only): conversations it moved, and tokens it
         # sent to be recomputed although another replica held them.

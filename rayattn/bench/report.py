@@ -21,8 +21,8 @@ def markdown(table: dict[str, dict[str, dict[str, Any]]], columns: list[str]) ->
     lines = [head, "|" + "---|" * (len(columns) + 2)]
     for w, rows in table.items():
         for p, s in rows.items():
-            cells = [f"{s[c]:.3f}" if isinstance(s.get(c), float) else str(s.get(c, ""))
-                     for c in columns]
+            cells = [f"{s[c]:.3f}" if isinstance(s.get(c), float)
+                     else "–" if s.get(c) is None else str(s[c]) for c in columns]
             lines.append(f"| {w} | {p} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

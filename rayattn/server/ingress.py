@@ -121,10 +121,15 @@ class Ingress:
             await route.start()
 
     async def synced(self) -> None:
-        """Return once every engine's KV event view has its first snapshot, or the feeds'
-        start-up grace (kv_feeds.SYNC_GRACE_S) is over."""
+        """Return once every engine's KV event view has its first snapshot, or after
+        kv_feeds.SYNC_GRACE_S; from then on the router takes traffic whatever its feeds do
+        (Serve calls this through reconfigure before the first request)."""
+        for d in self.dispatchers:
+            d.feeds.hold()
         while any(d.feeds.syncing() for d in self.dispatchers):
             await asyncio.sleep(0.05)
+        for d in self.dispatchers:
+            d.feeds.release()
 
     async def _body(self, request: Request, kind: str,
                     key: str | None) -> tuple[dict[str, Any], Any, ModelRoute]:

@@ -78,7 +78,10 @@ class KVFeeds:
         self.keys = CurveKeys.new()
         """This router's key pair: engines admit its public key (kv_subscribe), and the
         secret never leaves this process."""
-        self.created_at = time.monotonic()
+        self.hold_until = time.monotonic() + SYNC_GRACE_S
+        """Until when feeds still syncing hold the router's start back (`held`)."""
+        self.started = False
+        """The router has taken traffic (`started()`): no feed holds it back any more."""
 
     def join(self, name: str, endpoint: str | None, server_key: str | None,
              handle: Any, rank: int = 0) -> None:
@@ -114,14 +117,23 @@ class KVFeeds:
         return {"seq": feed.last_seq, "resyncs": feed.resyncs, "batches": feed.batches,
                 "stale": feed.stale, "synced": feed.synced_at is not None}
 
-    def syncing(self, grace_s: float = SYNC_GRACE_S) -> list[str]:
-        """While the router starts (the first `grace_s`): targets whose feed has not applied
-        its first snapshot, i.e. whose view is still empty. Feeds that join later do not
-        count: a new engine's cache is as empty as its view, and a reset or a new index
-        resyncs a view the router already routed by."""
-        if time.monotonic() - self.created_at >= grace_s:
+    def syncing(self) -> list[str]:
+        """While the router starts: targets whose feed has not applied its first snapshot,
+        i.e. whose view is still empty, for at most SYNC_GRACE_S. Once it has started,
+        feeds that join (a new engine, as empty as its view; a reset or a new index that
+        resyncs a view it already routed by) hold nothing back."""
+        if self.started or time.monotonic() >= self.hold_until:
             return []
         return [n for n, f in self.feeds.items() if f.synced_at is None]
+
+    def hold(self) -> None:
+        """The router waits for its feeds now: the grace counts from here (the membership
+        and the first probes before it may have taken a while)."""
+        self.hold_until = max(self.hold_until, time.monotonic() + SYNC_GRACE_S)
+
+    def release(self) -> None:
+        """The router takes traffic from now on."""
+        self.started = True
 
     def expect(self, name: str, since: float) -> None:
         """`name`'s engine finished a request, sent at `since` (monotonic), that filled new
@@ -207,6 +219,9 @@ class EventFeed:
                 if sock is not None:
                     sock.close()
                 raise
+            except ConnectionError as e:  # refused: no traceback every second
+                log.warning("%s; admitting again", e)
+                await asyncio.sleep(1.0)
             except Exception:
                 log.exception("KV event feed %s failed; resyncing", self.name)
                 await asyncio.sleep(1.0)
@@ -244,7 +259,7 @@ class EventFeed:
         # The subscription itself follows the handshake (ZMQ's slow joiner): a moment for it
         # to reach the publisher, then the snapshot; what is published meanwhile is buffered
         # in the socket.
-        await asyncio.sleep(0.02)
+        await asyncio.sleep(0.05)
         snap = await self._snapshot()
         for _ in range(100):
             # After a gap the mirror may still be catching up (it fills its own gaps from

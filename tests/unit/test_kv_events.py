@@ -385,8 +385,8 @@ def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_
         assert feed.resyncs == 1 and feed.batches == 1  # no gap, no second snapshot
         feed.stop()
 
-        # A feed whose engine never answers holds readiness back only while the router
-        # starts (the grace period after its feeds were created).
+        # A feed whose engine never answers holds the router's start back only for the
+        # grace period, and no feed holds back a router that has started.
         async def never(rank: int = 0):
             await asyncio.sleep(3600)
 
@@ -394,8 +394,14 @@ def test_a_new_feed_holds_readiness_until_its_snapshot_and_misses_nothing_after_
         assert core.joined("e1", 16, 100)
         feeds.join("e1", mirror.endpoint, mirror.server_key.decode(), handle)
         await asyncio.sleep(0.2)
+        feeds.hold()
         assert feeds.syncing() == ["e1"]
-        assert feeds.syncing(grace_s=0.1) == []
+        grace, feeds.hold_until = feeds.hold_until, time.monotonic()  # the grace is over
+        assert feeds.syncing() == []
+        feeds.hold_until = grace
+        assert feeds.syncing() == ["e1"]
+        feeds.release()
+        assert feeds.syncing() == []
         feeds.feeds["e1"].stop()
 
     asyncio.run(scenario())

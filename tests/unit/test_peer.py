@@ -3,6 +3,7 @@ back (with vLLM's own argument parser) into exactly the deployment's engine sett
 
 from __future__ import annotations
 
+import pytest
 import yaml
 
 from rayattn.bench.peer import serve_flags
@@ -71,3 +72,19 @@ def test_ratios_are_against_the_best_peer_that_answered_everything():
     ours = table["doc_chat"]["rayattn affinity"]
     assert ours["vs_peer"] == "vllm-router sticky_least_loaded"
     assert ours["wall_ratio"] == 0.8 and ours["throughput_ratio"] == 1.25
+
+
+def test_bench_variants_carry_router_settings_checked_before_anything_starts():
+    from rayattn.bench.cli import variant, variant_base
+    from rayattn.config.schema import RouterConfig
+
+    assert variant("affinity@predicted") == ("affinity", {"index": "predicted"})
+    assert variant("affinity@load_slack=8;predicted") == \
+        ("affinity", {"load_slack": 8, "index": "predicted"})
+    router = RouterConfig(load_slack=4)
+    # Each run sets every setting some variant names: the config's value where its own
+    # variant does not, so a run never inherits the previous variant's.
+    assert variant_base(["affinity", "affinity@load_slack=8"], router) == {"load_slack": 4}
+    for bad in ("affinity@load_slack=abc", "affinity@no_such_setting=1", "no_such_policy"):
+        with pytest.raises(SystemExit, match="not a valid router config"):
+            variant_base([bad], router)
