@@ -42,9 +42,9 @@ def local_args() -> dict:
 
 def session_header() -> str:
     """The conversation header of the local deployment's router."""
-    from rayattn.config.loader import parse_args
+    from rayattn.config.loader import rayattn_apps
 
-    return parse_args(local_args()).router.session_header
+    return rayattn_apps(local_config())[0][1].router.session_header
 
 
 # Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as

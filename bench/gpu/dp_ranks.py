@@ -42,7 +42,9 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import RayattnApp, dump, fail, gpu_processes, gpus, log, rayattn_args  # noqa: E402
 from report import block_oracle  # noqa: E402
-from routing import chat, variant, workloads  # noqa: E402
+from routing import chat, workloads  # noqa: E402
+
+from rayattn.bench.cli import variant, variant_base  # noqa: E402
 
 GIB = 1 << 30
 ENGINE: dict[str, Any] = {
@@ -236,16 +238,10 @@ def main() -> int:
     args = rayattn_args(a.config, a.model, **over)
     name = args["model"]["served_name"]
     variants = a.variants.split(",")
-    router_cfg = parse_args(args).router.model_dump()
-    changed = {k for v in variants for k in variant(v)[1]}
-    if changed - router_cfg.keys():
-        fail(f"router settings {sorted(changed - router_cfg.keys())} unknown to the rayattn "
-             f"at {Path(rayattn.__file__).parent}: refresh the snapshot "
-             "(bench/gpu/stage.sh --snapshot-only)")
-        return 2
     # Every run sets every setting some variant changes (back to the config's value where
-    # its own variant does not name it).
-    base_settings = {k: router_cfg[k] for k in changed}
+    # its own variant does not name it). A setting unknown here: refresh the snapshot
+    # (bench/gpu/stage.sh --snapshot-only).
+    base_settings = variant_base(variants, parse_args(args).router)
     report: dict[str, Any] = {"args": vars(a), "gpus": gpus(), "runs": [], "checks": {},
                               "bench_overrides": {}}
     plan = build_plan(parse_args(args), prepare_model=True)

@@ -44,7 +44,7 @@ from common import (  # noqa: E402
     wait_http,
 )
 
-from rayattn.bench.cli import variant  # noqa: E402
+from rayattn.bench.cli import variant, variant_base  # noqa: E402
 
 PEER_PORTS = (8101, 8102)
 
@@ -240,6 +240,9 @@ def main() -> int:
                 "engine.env": {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1"}, **over}
     args = rayattn_args(a.config, a.model, **over)
     name = args["model"]["served_name"]
+    # Each run sets every setting some variant changes (the config's value where its own
+    # variant does not name it); every variant checked before anything starts.
+    base_settings = variant_base(a.policies.split(","), parse_args(args).router)
     plan = build_plan(parse_args(args), prepare_model=True)
     report: dict = {"args": vars(a), "rayattn_args": args, "plan": plan.describe(),
                     "engine_kwargs": plan.engine_kwargs, "gpus": gpus(), "runs": [],
@@ -295,11 +298,6 @@ def main() -> int:
 
         wls = {k: v for k, v in workloads(a.scale, a.doc_words, a.user_words).items()
                if k in a.workloads.split(",")}
-        # Each run sets every setting some variant changes: back to the config's value where
-        # its own variant does not name it.
-        router_cfg = parse_args(args).router.model_dump()
-        base_settings = {k: router_cfg[k] for pol in a.policies.split(",")
-                         for k in variant(pol)[1]}
         plan_runs = []
         for rep in range(a.repeats):
             for wname in wls:

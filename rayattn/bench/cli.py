@@ -18,8 +18,6 @@ def variant_base(policies: list[str], router: Any) -> dict:
     """The config's value of every router setting some variant changes (each run sets
     them all, so a run does not inherit the previous variant's), after checking that every
     variant is a valid router config: a typo must not surface after the start-up."""
-    from pydantic import ValidationError
-
     from rayattn.config.schema import RouterConfig
 
     config = router.model_dump(mode="json")
@@ -27,7 +25,7 @@ def variant_base(policies: list[str], router: Any) -> dict:
         name, settings = variant(pol)
         try:
             RouterConfig.model_validate({**config, **settings, "policy": name})
-        except (ValidationError, ValueError) as e:
+        except ValueError as e:  # pydantic's ValidationError too
             raise SystemExit(f"--policies: {pol!r} is not a valid router config: {e}") from None
     return {k: config[k] for pol in policies for k in variant(pol)[1]}
 
@@ -53,13 +51,12 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
     import yaml
 
-    from rayattn.config.loader import app_args, parse_args
+    from rayattn.config.loader import rayattn_apps
     from rayattn.server import front_door
 
     serve_config = yaml.safe_load(Path(config).read_text())
     # Before Ray (and Serve's constants) are imported here.
-    front_door.apply(parse_args(app_args(serve_config["applications"][0]))
-                     .router.session_header)
+    front_door.apply(rayattn_apps(serve_config)[0][1].router.session_header)
     import ray
     from ray import serve
 

@@ -79,9 +79,9 @@ class KVFeeds:
         """This router's key pair: engines admit its public key (kv_subscribe), and the
         secret never leaves this process."""
         self.hold_until = time.monotonic() + SYNC_GRACE_S
-        """Until when feeds still syncing hold the router's start back (`held`)."""
+        """Until when feeds still syncing hold the router's start back (`hold`)."""
         self.started = False
-        """The router has taken traffic (`started()`): no feed holds it back any more."""
+        """The router has taken traffic (`release`): no feed holds it back any more."""
 
     def join(self, name: str, endpoint: str | None, server_key: str | None,
              handle: Any, rank: int = 0) -> None:
