@@ -259,7 +259,8 @@ def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):
     p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
     print(f"\nlight key TTFT p90 idle {p90(idle):.3f}s, beside 200 greedy streams "
           f"{p90(busy):.3f}s")
-    # 2x, or 0.25 s above idle where idle is a few tenths: on 2 shared cores scheduling noise
-    # alone took a 0.17 s idle p90 to 0.35 s in one fresh-clone run. Starvation, what this
-    # guards against, was a 118 s wait.
-    assert p90(busy) <= max(2 * p90(idle), p90(idle) + 0.25), (idle, busy)
+    # 2x, or 0.5 s above idle where idle is a few tenths: on 2 shared cores, with the client's
+    # 200 streams on them too, scheduling noise alone took a 0.17 s idle p90 to 0.35 s in one
+    # fresh-clone run and a 0.14 s one to 0.41 s (one light request at 1.0 s) in another.
+    # Starvation, what this guards against, was a 118 s wait.
+    assert p90(busy) <= max(2 * p90(idle), p90(idle) + 0.5), (idle, busy)
