@@ -6,7 +6,9 @@ affinity router on cold caches (runs.json), fits and calibrates the simulator's 
 coefficients on the runs of `--fit-seed` only (rayattn/bench/fit.py, engine_model.json),
 then replays every other run's exact requests (prompts, outputs, conversation order)
 through the simulator at the same concurrency and prints real vs simulated hit/oracle and
-TTFT p50/p90. `--runs runs.json` redoes the fit and the table from saved runs.
+TTFT p50/p90. `--repeats N` runs every real case N times: the table compares the simulator
+with the median of the real runs and shows their spread, the noise any prediction lives
+with. `--runs runs.json` redoes the fit and the table from saved runs.
 
     .venv/bin/python bench/sim_fidelity.py --out bench/results/fidelity
 """
@@ -16,6 +18,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
+from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
 
@@ -47,13 +51,16 @@ def real_runs(a: argparse.Namespace, workloads) -> dict:
                 for policy in a.policies.split(","):
                     if seed == a.fit_seed and policy != "affinity":
                         continue  # calibrated on affinity runs only
-                    httpx.post(f"{url}/admin/reset", json={"policy": policy},
-                               timeout=60).raise_for_status()
-                    res, wall = asyncio.run(run_workload(url, "smollm2", wl,
-                                                         concurrency=a.concurrency))
-                    runs.append({"seed": seed, "workload": name, "policy": policy,
-                                 "wall_s": wall, "results": results_json(res)})
-                    print(f"real {name} {policy} seed {seed}: wall {wall:.1f}s", flush=True)
+                    for repeat in range(a.repeats):
+                        httpx.post(f"{url}/admin/reset", json={"policy": policy},
+                                   timeout=60).raise_for_status()
+                        res, wall = asyncio.run(run_workload(url, "smollm2", wl,
+                                                             concurrency=a.concurrency))
+                        runs.append({"seed": seed, "workload": name, "policy": policy,
+                                     "repeat": repeat, "wall_s": wall,
+                                     "results": results_json(res)})
+                        print(f"real {name} {policy} seed {seed} #{repeat}: wall {wall:.1f}s",
+                              flush=True)
     finally:
         stop_local()
     return {"base": asdict(base), "runs": runs}
@@ -70,6 +77,8 @@ def main() -> None:
     ap.add_argument("--runs", help="runs.json of an earlier invocation: no real runs")
     ap.add_argument("--policies", default="affinity,round_robin",
                     help="policies run and simulated on the validation seeds")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="real runs of every case (the table takes their median)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -101,29 +110,42 @@ def main() -> None:
     model.save(out / "engine_model.json")
     print("least squares:", asdict(first))
     print("calibrated:", asdict(model))
-    rows = []
+    cases: dict[tuple[int, str, str], list[tuple]] = defaultdict(list)
     for seed, name, policy, wl, res, real in runs:
-        if seed == a.fit_seed:
-            continue
+        if seed != a.fit_seed:
+            cases[(seed, name, policy)].append((wl, res, real))
+    rows = []
+    for (seed, name, policy), reals in cases.items():
+        wl, res, _ = reals[0]  # the simulator replays the first run's requests
         trace = trace_from_run(res, wl, tok, model.block_size)
         sim = simulate(trace, 2, policy, model, index="events", concurrency=a.concurrency)
-        rows.append({"workload": name, "seed": seed, "policy": policy,
-                     "real_hit_vs_oracle": real["hit_vs_block_oracle"],
-                     "sim_hit_vs_oracle": sim.hit_vs_oracle,
-                     "real_ttft_p50_s": real["ttft_p50_s"], "sim_ttft_p50_s": sim.ttft_p50_s,
-                     "real_ttft_p90_s": real["ttft_p90_s"], "sim_ttft_p90_s": sim.ttft_p90_s,
-                     "real_later_ttft_p90_s": real["later_ttft_p90_s"],
-                     "sim_later_ttft_p90_s": sim.later_ttft_p90_s,
-                     "real_wall_s": real["wall_s"], "sim_wall_s": sim.sim_wall_s})
+        row = {"workload": name, "seed": seed, "policy": policy, "real_runs": len(reals),
+               "sim_hit_vs_oracle": sim.hit_vs_oracle, "sim_ttft_p50_s": sim.ttft_p50_s,
+               "sim_ttft_p90_s": sim.ttft_p90_s, "sim_later_ttft_p90_s": sim.later_ttft_p90_s,
+               "sim_wall_s": sim.sim_wall_s}
+        for key, real_key in (("hit_vs_oracle", "hit_vs_block_oracle"),
+                              ("ttft_p50_s", "ttft_p50_s"), ("ttft_p90_s", "ttft_p90_s"),
+                              ("later_ttft_p90_s", "later_ttft_p90_s"), ("wall_s", "wall_s")):
+            values = [r[real_key] for _, _, r in reals]
+            row[f"real_{key}"] = statistics.median(values)
+            row[f"real_{key}_range"] = [min(values), max(values)]
+        rows.append(row)
+
+    def real(r: dict, key: str, fmt: str) -> str:
+        lo, hi = r[f"real_{key}_range"]
+        spread = f" ({lo:{fmt}}–{hi:{fmt}})" if r["real_runs"] > 1 else ""
+        return f"{r[f'real_{key}']:{fmt}}{spread}"
+
     lines = ["| workload | policy | seed | hit/oracle real | sim | TTFT p50 real s | sim | "
              "ratio | TTFT p90 real s | sim | ratio | wall real s | sim |", "|" + "---|" * 13]
     for r in rows:
         lines.append(
-            f"| {r['workload']} | {r['policy']} | {r['seed']} | {r['real_hit_vs_oracle']:.3f} | "
-            f"{r['sim_hit_vs_oracle']:.3f} | {r['real_ttft_p50_s']:.2f} | "
-            f"{r['sim_ttft_p50_s']:.2f} | {r['sim_ttft_p50_s'] / r['real_ttft_p50_s']:.2f} | "
-            f"{r['real_ttft_p90_s']:.2f} | {r['sim_ttft_p90_s']:.2f} | "
-            f"{r['sim_ttft_p90_s'] / r['real_ttft_p90_s']:.2f} | {r['real_wall_s']:.1f} | "
+            f"| {r['workload']} | {r['policy']} | {r['seed']} | "
+            f"{real(r, 'hit_vs_oracle', '.3f')} | {r['sim_hit_vs_oracle']:.3f} | "
+            f"{real(r, 'ttft_p50_s', '.2f')} | {r['sim_ttft_p50_s']:.2f} | "
+            f"{r['sim_ttft_p50_s'] / r['real_ttft_p50_s']:.2f} | "
+            f"{real(r, 'ttft_p90_s', '.2f')} | {r['sim_ttft_p90_s']:.2f} | "
+            f"{r['sim_ttft_p90_s'] / r['real_ttft_p90_s']:.2f} | {real(r, 'wall_s', '.1f')} | "
             f"{r['sim_wall_s']:.1f} |")
     md = "\n".join(lines)
     (out / "fidelity.md").write_text(md + "\n")

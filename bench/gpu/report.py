@@ -20,6 +20,8 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
+from rayattn.bench.driver import cached_output
+
 BLOCK = 16
 
 
@@ -43,7 +45,7 @@ def block_oracle(results: list[dict], workload, tok) -> float:
         msgs.append({"role": "user", "content": c.turns[r["turn"]]})
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        outs = tok(r["output_text"], add_special_tokens=False)["input_ids"]
+        outs = cached_output(r.get("output_ids"), r["output_text"], tok)
         h, matched = 0, 0
         chain = []
         for i in range(0, len(ids) // BLOCK * BLOCK, BLOCK):

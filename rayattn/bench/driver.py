@@ -33,6 +33,9 @@ class Result:
     start_s: float
     prompt_ids: list[int] | None = None
     output_text: str = ""
+    output_ids: list[int] | None = None
+    """The tokens the engine generated (vLLM's `return_token_ids`); None where the server
+    does not send them."""
     predicted_cached_tokens: int = -1
     """What the router predicted (-1: not a rayattn endpoint)."""
     engine_ttft_s: float | None = None
@@ -78,10 +81,14 @@ async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[str]:
 
 async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
                conv: Conversation, turn: int, t_origin: float) -> Result:
+    # return_token_ids: the oracle needs the tokens the engine generated and cached, which
+    # a random-weight model's text does not give back when re-tokenized.
     body = {"model": model, "messages": messages, "max_tokens": conv.max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}
     t0, sent_at = time.monotonic(), time.time()
     ttft, first_at, text, usage, ext, status = None, None, [], {}, {}, 0
+    ids: list[int] | None = None
     async with client.post(f"{url}/v1/chat/completions", json=body,
                            headers={"x-session-id": conv.session}) as r:
         status = r.status
@@ -97,6 +104,8 @@ async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: li
                     if ttft is None:
                         ttft, first_at = time.monotonic() - t0, time.time()
                     text.append(ch["delta"]["content"])
+                if ch.get("token_ids"):
+                    ids = (ids or []) + ch["token_ids"]
             usage = ev.get("usage") or usage
             ext = ev.get("rayattn") or ext
     end = time.monotonic()
@@ -105,7 +114,7 @@ async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: li
                   details.get("cached_tokens", 0), usage.get("completion_tokens", 0),
                   ttft if ttft is not None else end - t0, end - t0, ext.get("replica", ""),
                   ext.get("path", ""), ext.get("route_reason", ""), status, t0 - t_origin,
-                  output_text="".join(text),
+                  output_text="".join(text), output_ids=ids,
                   predicted_cached_tokens=ext.get("predicted_cached_tokens", -1),
                   engine_ttft_s=ext.get("engine_ttft_s"),
                   engine_prefill_s=ext.get("engine_prefill_s"),
@@ -196,8 +205,8 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
 
 def replay_tokens(results: list[Result], workload: Workload, tokenizer: Any
                   ) -> list[tuple[Result, list[int], list[int]]]:
-    """(result, prompt ids, output ids) in the order requests ran, rebuilt with the served
-    model's chat template exactly as the router built them."""
+    """(result, prompt ids, cached output ids) in the order requests ran, prompts rebuilt
+    with the served model's chat template exactly as the router built them."""
     convs = {c.session: c for c in workload.conversations}
     out = []
     for r in sorted(results, key=lambda x: x.start_s):
@@ -210,9 +219,19 @@ def replay_tokens(results: list[Result], workload: Workload, tokenizer: Any
         msgs.append({"role": "user", "content": c.turns[r.turn]})
         text = tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-        outs = tokenizer(r.output_text, add_special_tokens=False)["input_ids"]
-        out.append((r, ids, outs))
+        out.append((r, ids, cached_output(r.output_ids, r.output_text, tokenizer)))
     return out
+
+
+def cached_output(output_ids: list[int] | None, output_text: str, tokenizer: Any
+                  ) -> list[int]:
+    """The generated tokens an engine's prefix cache holds after a request: all but the
+    last (no step ever computes the last sampled token's KV). Without the engine's own ids,
+    the re-tokenized text, which overstates it where the text does not tokenize back to
+    the same ids (random-weight models)."""
+    if output_ids is not None:
+        return output_ids[:-1]
+    return tokenizer(output_text, add_special_tokens=False)["input_ids"]
 
 
 def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size: int

@@ -40,8 +40,11 @@ class Server:
                 return resp
             turn = sum(1 for m in body["messages"] if m["role"] == "user") - 1
             pieces = [f"{session}:{turn} ", LONG if session == "long" else "", "end"]
-            for p in pieces:
-                await self._event(resp, {"choices": [{"delta": {"content": p}}]})
+            for k, p in enumerate(pieces):
+                choice: dict[str, Any] = {"delta": {"content": p}}
+                if body.get("return_token_ids"):  # vLLM's: the piece's generated ids
+                    choice["token_ids"] = [1000 * turn + k]
+                await self._event(resp, {"choices": [choice]})
             await self._event(resp, {"choices": [], "usage": {
                 "prompt_tokens": 100 + turn, "completion_tokens": 3,
                 "prompt_tokens_details": {"cached_tokens": 64}},
@@ -86,6 +89,7 @@ async def test_reads_streams_and_carries_each_answer_into_the_next_turn() -> Non
             first.path, first.predicted_cached_tokens) == (200, 101, 64, "engine-1", "extend",
                                                            64)
     assert first.output_text == "c2:1 end"
+    assert first.output_ids == [1000, 1001, 1002]  # asked for, and joined across chunks
     assert first.to_router_s is not None and 0 <= first.to_router_s < 5
     assert by[("long", 0)].output_text == "long:0 " + LONG + "end"
     assert by[("fails", 0)].status == 503
@@ -143,3 +147,30 @@ async def test_open_loop_over_two_routers_sends_turn_t_to_router_t_mod_2() -> No
     turns = {name: sorted(sum(1 for m in msgs if m["role"] == "user") - 1 for _, msgs in s.seen)
              for name, s in (("a", a), ("b", b))}
     assert turns == {"a": [0] * 4 + [2] * 4, "b": [1] * 4}
+
+
+def test_the_oracle_counts_the_generated_tokens_an_engine_caches():
+    """A random-weight model's output does not tokenize back to the ids it generated: the
+    next turn's prompt then shares nothing past the previous prompt with what the engine
+    cached, and the oracle must not count the re-tokenized text as cacheable. Of the
+    generated ids, the last is never cached (no step computes its KV)."""
+    from transformers import AutoTokenizer
+
+    from rayattn.bench.driver import Result, cached_output, oracle
+    from rayattn.models.embedded import resolve_embedded
+
+    tok = AutoTokenizer.from_pretrained(resolve_embedded("rayattn://smollm2-135m"))
+    answer = "The capital of France is Paris. " * 8
+    text_ids = tok(answer, add_special_tokens=False)["input_ids"]
+    assert cached_output(None, answer, tok) == text_ids
+    assert cached_output(text_ids, answer, tok) == text_ids[:-1]
+    wl = Workload("w", [Conversation("be brief " * 40, ["first " * 40, "second"], "c", 8)])
+
+    def run(output_ids: list[int] | None) -> float:
+        res = [Result("c", t, 0, 0, 0, 0.1, 0.2, "", "", "", 200, float(t),
+                      output_text=answer, output_ids=output_ids) for t in range(2)]
+        return oracle(res, wl, tok, 16)["oracle_block_hit_rate"]
+
+    # The ids the engine generated are the text's own (a real model): the answer's blocks
+    # count. Other ids (a random model's): only the earlier prompt's blocks do.
+    assert run(None) == run(text_ids) > run([7] * len(text_ids)) > 0
