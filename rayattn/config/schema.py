@@ -399,9 +399,12 @@ class RouterConfig(_Strict):
     (its history kept free of eviction). About the clients' think time; longer protects
     slower conversations and holds new ones back longer."""
     kv_admission_fill: float = Field(0.95, gt=0, le=1)
-    """`kv_admission`: the fraction of each engine's KV cache that running requests and
+    """`kv_admission`: the most of each engine's KV cache that running requests and
     protected histories may fill (the rest is headroom for what the router cannot see:
-    other routers' requests, output beyond max_tokens estimates)."""
+    other routers' requests, output beyond max_tokens estimates). Histories grow with
+    every turn, so each engine's fill backs off from this ceiling while its live
+    conversations come back to find their history evicted, and climbs back while they find
+    it kept (routing/kv_budget.py; the admin view's `admission_fill`)."""
     kv_admission_protect: Literal["auto", "live", "running"] = "auto"
     """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every
     live conversation's (continuing turns never queue behind new conversations' prefills;

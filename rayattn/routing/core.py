@@ -70,6 +70,8 @@ class ReplicaView:
     speculative_blocks: int | None
     offloaded_blocks: int = 0
     """Blocks of its host-memory KV tier (vLLM's offloading connector)."""
+    admission_fill: float = 1.0
+    """The fraction of its KV cache cache-pressure admission admits up to now."""
 
 
 @dataclass
@@ -306,7 +308,7 @@ class RoutingCore:
         d.prefill_pending = d.in_flight = True
         d.session = route.session
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
-                                       route.max_tokens)
+                                       route.max_tokens, d.predicted_cached_tokens)
         self.load.acquire(d.replica, d.uncached_tokens)
         self.adapters.dispatched(d.replica, route.adapter)
         d.adapter = route.adapter
@@ -399,5 +401,6 @@ class RoutingCore:
         return CoreSnapshot(self.policy.name, self.index_mode, self.block_size, {
             n: ReplicaView(self.load.inflight[n], self.load.local.get(n, 0),
                            self.load.pending_prefill.get(n, 0), self.index.size(n),
-                           self.index.speculative(n), self.index.offloaded(n))
+                           self.index.speculative(n), self.index.offloaded(n),
+                           self.kv.fill_of(n))
             for n in self.routable}, dict(self.regret_tokens), dict(self.session_moves))

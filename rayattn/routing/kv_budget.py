@@ -26,6 +26,15 @@ the histories of conversations with a turn in flight are protected, every reques
 whole prompt in HBM (a reload occupies HBM blocks like a prefill), and continuing
 conversations still go first; `live` keeps the strict rule above on such engines too.
 
+What fits is judged on today's histories, but a conversation's history grows with every
+turn (one H200, doc_chat, 4.7k -> 7.6k tokens over 4 turns): newcomers admitted up to a fill
+of 0.95 later outgrow the cache together and evict each other (0.35 of the oracle; a fill of
+0.7 kept 0.92, 0.6 kept 1.00 with new conversations waiting longer). So the fill admission
+admits up to adapts per engine: when a live conversation's next turn finds most of its
+history gone from its engine, the engine's fill backs off; each turn that finds it kept
+raises the fill again, up to `router.kv_admission_fill`. Histories in a host tier count
+as kept (reloaded, not recomputed), so there the fill stays at its ceiling.
+
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
 """
@@ -39,6 +48,16 @@ from dataclasses import dataclass
 
 DEFAULT_OUTPUT_TOKENS = 256
 """Output a request is expected to add when it names no max_tokens."""
+
+FILL_BACKOFF = 0.9
+"""An engine's fill is multiplied by this when a live history was lost there."""
+FILL_RECOVERY = 0.002
+"""...and raised by this (up to the ceiling) for each live history kept. Kept histories
+are the common case: at this rate a loss in about 1 of 50 turns holds the fill where it is,
+and an engine recovers from 0.6 to 0.95 over some 175 kept turns."""
+FILL_FLOOR = 0.3
+"""The lowest fill an engine backs off to (histories that outgrow the cache by themselves
+evict each other whatever admission does)."""
 
 
 @dataclass
@@ -65,6 +84,8 @@ class KVBudget:
         """Per engine: tokens of the histories of conversations with a turn in flight."""
         self.host_tier: set[str] = set()
         """Engines with a host-memory KV tier."""
+        self._fill: dict[str, float] = {}
+        """Per engine: the fill admission admits up to now (see the module doc)."""
         self._live: OrderedDict[str, _Conversation] = OrderedDict()
         """By last activity, oldest first."""
 
@@ -80,6 +101,7 @@ class KVBudget:
         # `running` stays: requests still running there end later (and a replica marked
         # down may rejoin under its name); dropping it here would leave it negative.
         self.capacity.pop(replica, None)
+        self._fill.pop(replica, None)
         self.reserved.pop(replica, None)
         self.active.pop(replica, None)
         self.host_tier.discard(replica)
@@ -87,6 +109,10 @@ class KVBudget:
             del self._live[s]
 
     # --- queries ------------------------------------------------------------------------
+    def fill_of(self, replica: str) -> float:
+        """The fraction of `replica`'s KV cache admission admits up to now."""
+        return min(self.fill, self._fill.get(replica, self.fill))
+
     def is_live(self, session: str | None) -> bool:
         self._expire()
         return session is not None and session in self._live
@@ -132,7 +158,7 @@ class KVBudget:
             # histories are what admission protects from newcomers, not from each
             # other.
             protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
-        return self.running[r] + protected + need <= self.fill * cap
+        return self.running[r] + protected + need <= self.fill_of(r) * cap
 
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":
@@ -141,14 +167,18 @@ class KVBudget:
 
     # --- lifecycle ----------------------------------------------------------------------
     def dispatched(self, replica: str, session: str | None, prompt_tokens: int,
-                   max_tokens: int) -> int:
-        """A request is sent to `replica`; returns the running tokens it holds until
+                   max_tokens: int, cached_tokens: int | None = None) -> int:
+        """A request is sent to `replica`, where the router predicts `cached_tokens` of its
+        prompt are cached (None: unknown); returns the running tokens it holds until
         `ended`."""
         now = self._clock()
         if not session:
             held = prompt_tokens + max_tokens
         else:
+            self._expire()
             conv = self._live.pop(session, None)
+            if conv is not None and conv.replica == replica and cached_tokens is not None:
+                self._learn(replica, kept=cached_tokens >= conv.tokens // 2)
             if conv is not None:
                 self.reserved[conv.replica] -= conv.tokens
                 if conv.running:
@@ -163,6 +193,13 @@ class KVBudget:
             held = max_tokens
         self.running[replica] += held
         return held
+
+    def _learn(self, replica: str, kept: bool) -> None:
+        """A live conversation's next turn at home found its history kept or lost."""
+        fill = self.fill_of(replica)
+        fill = min(self.fill, fill + FILL_RECOVERY) if kept else \
+            max(FILL_FLOOR, fill * FILL_BACKOFF)
+        self._fill[replica] = fill
 
     def finished(self, replica: str, session: str | None, context_tokens: int) -> None:
         """The turn ran to its end: the conversation's history is now `context_tokens`."""

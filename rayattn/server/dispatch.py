@@ -325,6 +325,8 @@ class Dispatcher:
             cache_view["speculative"] = view.speculative_blocks
         if view is not None and view.offloaded_blocks:
             cache_view["offloaded"] = view.offloaded_blocks
+        if view is not None and self.core.settings["kv_admission"]:
+            cache_view["admission_fill"] = round(view.admission_fill, 3)
         return EngineStatus(
             r.up, info.pid if info else None, info.rank if info else None,
             view.inflight if view else 0, view.local if view else 0,

@@ -163,3 +163,71 @@ def test_a_live_conversation_with_room_at_home_may_still_be_moved_by_the_policy(
     kv.ended("e0", "a", h)
     kv.dispatched("e1", "b", 1000, 64)
     assert kv.room(["e0", "e1"], "a", 3500, 64) == ["e0", "e1"]
+
+
+def test_the_fill_backs_off_where_live_histories_are_lost_and_recovers_where_kept():
+    """Admission judges newcomers on today's histories, which grow every turn: where live
+    conversations come back to find their history evicted, the engine admits up to less;
+    where they find it kept, the fill climbs back to the ceiling (router.kv_admission_fill)."""
+    from rayattn.routing.kv_budget import FILL_BACKOFF, FILL_FLOOR
+
+    kv = KVBudget(idle_s=5.0, fill=0.9)
+    kv.joined("e0", 10_000)
+    kv.joined("e1", 10_000)
+
+    def turn(replica: str, session: str, cached: int | None) -> None:
+        h = kv.dispatched(replica, session, 2_000, 100, cached)
+        kv.finished(replica, session, 2_100)
+        kv.ended(replica, session, h)
+
+    turn("e0", "a", 0)  # a first turn teaches nothing
+    assert kv.fill_of("e0") == 0.9
+    turn("e0", "a", 200)  # back at home, 200 of its 2,100 tokens left: lost
+    assert kv.fill_of("e0") == 0.9 * FILL_BACKOFF and kv.fill_of("e1") == 0.9
+    # The lower fill is what admission applies: 1,000 running + 5,100 new + 2,100 live
+    # fit 0.9 of 10k but not 0.81 of it (while something runs there).
+    kv.dispatched("e0", None, 900, 100)
+    assert kv.room(["e0"], "new", 5_000, 100) == []
+    assert kv.room(["e0"], "new", 4_900, 100) == ["e0"]
+    kv.fill = 1.0
+    assert kv.room(["e0"], "new", 5_000, 100) == []  # the ceiling rose, the fill did not
+    for _ in range(20):
+        turn("e0", "a", None)  # unknown (no index): nothing learned
+    assert kv.fill_of("e0") == 0.9 * FILL_BACKOFF
+    for _ in range(200):
+        turn("e0", "a", 2_000)  # kept
+    assert kv.fill_of("e0") == 1.0
+    for _ in range(100):
+        turn("e0", "a", 0)
+    assert kv.fill_of("e0") == FILL_FLOOR
+    turn("e1", "a", 0)  # a moved: a turn away from home says nothing of either engine
+    assert kv.fill_of("e1") == 1.0
+    kv.left("e0")
+    kv.joined("e0", 10_000)
+    assert kv.fill_of("e0") == 1.0
+
+
+def test_the_core_reports_what_its_index_predicts_to_the_budget():
+    core = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
+                                    kv_admission_fill=0.9).model_dump(), 16)
+    core.joined("e0", 16, 500)
+    prompt = list(range(3000))
+    for _ in range(2):
+        route = core.request(prompt, session="s1")
+        route.max_tokens = 64
+        d = core.choose(route, ["e0"])
+        core.dispatched(d, route)
+        core.finished(d, route, Finished(len(prompt), 0, list(range(64))))
+        core.ended(d)
+        prompt = prompt + list(range(64)) + list(range(7000, 7100))
+    # The second turn found its history in the (predicted) cache: kept, fill at its ceiling.
+    assert d.predicted_cached_tokens >= 3000
+    assert core.snapshot().routable["e0"].admission_fill == 0.9
+    core.index.remove_replica("e0")  # the engine's cache emptied under the router
+    core.index.add_replica("e0", 500)
+    route = core.request(prompt, session="s1")
+    route.max_tokens = 64
+    d = core.choose(route, ["e0"])
+    core.dispatched(d, route)
+    assert d.predicted_cached_tokens == 0
+    assert core.snapshot().routable["e0"].admission_fill < 0.9
