@@ -398,13 +398,18 @@ class RouterConfig(_Strict):
     """`kv_admission`: how long after its last turn a conversation still counts as live
     (its history kept free of eviction). About the clients' think time; longer protects
     slower conversations and holds new ones back longer."""
-    kv_admission_fill: float = Field(0.95, gt=0, le=1)
+    kv_admission_fill: float | None = Field(None, gt=0, le=1)
     """`kv_admission`: the most of each engine's KV cache that running requests and
     protected histories may fill (the rest is headroom for what the router cannot see:
-    other routers' requests, output beyond max_tokens estimates). Histories grow with
-    every turn, so each engine's fill backs off from this ceiling while its live
-    conversations come back to find their history evicted, and climbs back while they find
-    it kept (routing/kv_budget.py; the admin view's `admission_fill`)."""
+    other routers' requests, output beyond max_tokens estimates, histories growing turn by
+    turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
+    histories; one H200, doc_chat, histories growing 4.7k -> 7.6k tokens: 0.95 kept 0.35 of
+    the oracle, 0.7 kept 0.92 with 0.64x the wall time, docs/gpu.md section 9), 0.95 on
+    engines with one (engine.kv_offload: a history pushed out of HBM is reloaded, not
+    recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
+    this ceiling while its live conversations come back to find their history evicted, and
+    climbs back while they find it kept (routing/kv_budget.py; /health's
+    `admission_fill`)."""
     kv_admission_protect: Literal["auto", "live", "running"] = "auto"
     """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every
     live conversation's (continuing turns never queue behind new conversations' prefills;

@@ -32,8 +32,10 @@ of 0.95 later outgrow the cache together and evict each other (0.35 of the oracl
 0.7 kept 0.92, 0.6 kept 1.00 with new conversations waiting longer). So the fill admission
 admits up to adapts per engine: when a live conversation's next turn finds most of its
 history gone from its engine, the engine's fill backs off; each turn that finds it kept
-raises the fill again, up to `router.kv_admission_fill`. Histories in a host tier count
-as kept (reloaded, not recomputed), so there the fill stays at its ceiling.
+raises the fill again, up to `router.kv_admission_fill` (unset: 0.7 on an engine without a
+host tier, 0.95 on one with: a history pushed out of HBM there is reloaded, not
+recomputed). Histories in a host tier count as kept, so there the fill stays at its
+ceiling.
 
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
@@ -48,6 +50,11 @@ from dataclasses import dataclass
 
 DEFAULT_OUTPUT_TOKENS = 256
 """Output a request is expected to add when it names no max_tokens."""
+
+HBM_FILL = 0.7
+"""The ceiling (router.kv_admission_fill unset) on an engine without a host tier."""
+HOST_TIER_FILL = 0.95
+"""...and on one with a host tier, where a history pushed out of HBM is reloaded."""
 
 FILL_BACKOFF = 0.9
 """An engine's fill is multiplied by this when a live history was lost there."""
@@ -69,9 +76,10 @@ class _Conversation:
 
 
 class KVBudget:
-    def __init__(self, idle_s: float, fill: float = 0.95,
+    def __init__(self, idle_s: float, fill: float | None = None,
                  clock: Callable[[], float] = time.monotonic, protect: str = "auto") -> None:
         self.idle_s, self.fill, self._clock = idle_s, fill, clock
+        """`fill`: router.kv_admission_fill, the ceiling (None: by tier, see ceiling())."""
         self.protect = protect
         """router.kv_admission_protect: auto, live or running."""
         self.capacity: dict[str, int] = {}
@@ -109,9 +117,16 @@ class KVBudget:
             del self._live[s]
 
     # --- queries ------------------------------------------------------------------------
+    def ceiling(self, replica: str) -> float:
+        """The most of `replica`'s KV cache admission ever admits up to."""
+        if self.fill is not None:
+            return self.fill
+        return HOST_TIER_FILL if replica in self.host_tier else HBM_FILL
+
     def fill_of(self, replica: str) -> float:
         """The fraction of `replica`'s KV cache admission admits up to now."""
-        return min(self.fill, self._fill.get(replica, self.fill))
+        top = self.ceiling(replica)
+        return min(top, self._fill.get(replica, top))
 
     def is_live(self, session: str | None) -> bool:
         self._expire()
@@ -197,7 +212,7 @@ class KVBudget:
     def _learn(self, replica: str, kept: bool) -> None:
         """A live conversation's next turn at home found its history kept or lost."""
         fill = self.fill_of(replica)
-        fill = min(self.fill, fill + FILL_RECOVERY) if kept else \
+        fill = min(self.ceiling(replica), fill + FILL_RECOVERY) if kept else \
             max(FILL_FLOOR, fill * FILL_BACKOFF)
         self._fill[replica] = fill
 

@@ -111,7 +111,8 @@ def test_a_conversation_moving_takes_its_history_along_and_a_leaving_engine_its_
 def test_core_lifecycle_keeps_the_budget():
     now = [0.0]
     core = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
-                                    conversation_idle_s=5.0).model_dump(), 16,
+                                    conversation_idle_s=5.0,
+                                    kv_admission_fill=0.95).model_dump(), 16,
                        clock=lambda: now[0])
     assert core.joined("e0", 16, 500)  # 8,000 tokens
     assert core.kv.capacity == {"e0": 8000}
@@ -231,3 +232,18 @@ def test_the_core_reports_what_its_index_predicts_to_the_budget():
     core.dispatched(d, route)
     assert d.predicted_cached_tokens == 0
     assert core.snapshot().routable["e0"].admission_fill < 0.9
+
+
+def test_unset_the_ceiling_is_lower_where_no_host_tier_keeps_evicted_histories():
+    from rayattn.routing.kv_budget import HBM_FILL, HOST_TIER_FILL
+
+    kv = KVBudget(idle_s=5.0)
+    kv.joined("hbm", 10_000)
+    kv.joined("host", 10_000, host_tier=True)
+    assert (kv.fill_of("hbm"), kv.fill_of("host")) == (HBM_FILL, HOST_TIER_FILL)
+    for r in ("hbm", "host"):
+        kv.dispatched(r, None, 100, 100)  # something runs: the budget applies
+    # 200 running + 7,100 new: within 0.95 of 10k, not within 0.7 of it.
+    assert kv.room(["hbm", "host"], "new", 7_000, 100) == ["host"]
+    kv.fill = 0.8  # set: the same ceiling everywhere
+    assert kv.ceiling("hbm") == kv.ceiling("host") == 0.8
