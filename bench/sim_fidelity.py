@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="real runs of every case (the table takes their median)")
     a = ap.parse_args()
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(resolve_embedded("rayattn://smollm2-135m")))
@@ -131,7 +133,7 @@ def main() -> None:
             row[f"real_{key}_range"] = [min(values), max(values)]
         rows.append(row)
 
-    def real(r: dict, key: str, fmt: str) -> str:
+    def measured(r: dict, key: str, fmt: str) -> str:
         lo, hi = r[f"real_{key}_range"]
         spread = f" ({lo:{fmt}}–{hi:{fmt}})" if r["real_runs"] > 1 else ""
         return f"{r[f'real_{key}']:{fmt}}{spread}"
@@ -141,11 +143,11 @@ def main() -> None:
     for r in rows:
         lines.append(
             f"| {r['workload']} | {r['policy']} | {r['seed']} | "
-            f"{real(r, 'hit_vs_oracle', '.3f')} | {r['sim_hit_vs_oracle']:.3f} | "
-            f"{real(r, 'ttft_p50_s', '.2f')} | {r['sim_ttft_p50_s']:.2f} | "
+            f"{measured(r, 'hit_vs_oracle', '.3f')} | {r['sim_hit_vs_oracle']:.3f} | "
+            f"{measured(r, 'ttft_p50_s', '.2f')} | {r['sim_ttft_p50_s']:.2f} | "
             f"{r['sim_ttft_p50_s'] / r['real_ttft_p50_s']:.2f} | "
-            f"{real(r, 'ttft_p90_s', '.2f')} | {r['sim_ttft_p90_s']:.2f} | "
-            f"{r['sim_ttft_p90_s'] / r['real_ttft_p90_s']:.2f} | {real(r, 'wall_s', '.1f')} | "
+            f"{measured(r, 'ttft_p90_s', '.2f')} | {r['sim_ttft_p90_s']:.2f} | "
+            f"{r['sim_ttft_p90_s'] / r['real_ttft_p90_s']:.2f} | {measured(r, 'wall_s', '.1f')} | "
             f"{r['sim_wall_s']:.1f} |")
     md = "\n".join(lines)
     (out / "fidelity.md").write_text(md + "\n")

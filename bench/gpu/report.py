@@ -20,13 +20,12 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from rayattn.bench.driver import cached_output
-
 BLOCK = 16
 
 
 def block_oracle(results: list[dict], workload, tok) -> float:
     """Block-aligned oracle hit rate of one run (see module doc)."""
+    from rayattn.bench.driver import cached_output  # only --routing needs rayattn
     convs = {c.session: c for c in workload.conversations}
     by_session = defaultdict(list)
     for r in results:

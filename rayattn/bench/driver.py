@@ -105,7 +105,8 @@ async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: li
                         ttft, first_at = time.monotonic() - t0, time.time()
                     text.append(ch["delta"]["content"])
                 if ch.get("token_ids"):
-                    ids = (ids or []) + ch["token_ids"]
+                    ids = ids or []
+                    ids.extend(ch["token_ids"])
             usage = ev.get("usage") or usage
             ext = ev.get("rayattn") or ext
     end = time.monotonic()
@@ -227,11 +228,11 @@ def cached_output(output_ids: list[int] | None, output_text: str, tokenizer: Any
                   ) -> list[int]:
     """The generated tokens an engine's prefix cache holds after a request: all but the
     last (no step ever computes the last sampled token's KV). Without the engine's own ids,
-    the re-tokenized text, which overstates it where the text does not tokenize back to
-    the same ids (random-weight models)."""
-    if output_ids is not None:
-        return output_ids[:-1]
-    return tokenizer(output_text, add_special_tokens=False)["input_ids"]
+    the re-tokenized text stands in for them, which overstates it where the text does not
+    tokenize back to the same ids (random-weight models)."""
+    if output_ids is None:
+        output_ids = tokenizer(output_text, add_special_tokens=False)["input_ids"]
+    return output_ids[:-1]
 
 
 def oracle(results: list[Result], workload: Workload, tokenizer: Any, block_size: int

@@ -70,7 +70,7 @@ class ReplicaView:
     speculative_blocks: int | None
     offloaded_blocks: int = 0
     """Blocks of its host-memory KV tier (vLLM's offloading connector)."""
-    admission_fill: float = 1.0
+    admission_fill: float = 0.0
     """The fraction of its KV cache cache-pressure admission admits up to now."""
 
 
@@ -216,7 +216,8 @@ class RoutingCore:
         keys = [to_key(h) for h in hashes]
         head = keys[0] if keys else hash((adapter, tuple(token_ids[: self.block_size])))
         return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids,
-                            adapter=adapter, salt=salt)
+                            adapter=adapter, salt=salt,
+                            continued_tokens=len(known) * self.block_size)
 
     def _adapter(self, name: str | None) -> tuple[str, str] | None:
         if name is None:
@@ -307,8 +308,13 @@ class RoutingCore:
         d.uncached_tokens = route.prompt_tokens - d.predicted_cached_tokens
         d.prefill_pending = d.in_flight = True
         d.session = route.session
+        # Only an index that follows the engines' own events can tell a kept history from a
+        # lost one (the predicted index guesses from this router's traffic, HBM only).
+        learns = self.settings["kv_admission"] and isinstance(self.index, EventIndex)
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
-                                       route.max_tokens, d.predicted_cached_tokens)
+                                       route.max_tokens,
+                                       (route.continued_tokens, d.predicted_cached_tokens)
+                                       if learns else None)
         self.load.acquire(d.replica, d.uncached_tokens)
         self.adapters.dispatched(d.replica, route.adapter)
         d.adapter = route.adapter

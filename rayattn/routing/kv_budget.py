@@ -29,13 +29,15 @@ conversations still go first; `live` keeps the strict rule above on such engines
 What fits is judged on today's histories, but a conversation's history grows with every
 turn (one H200, doc_chat, 4.7k -> 7.6k tokens over 4 turns): newcomers admitted up to a fill
 of 0.95 later outgrow the cache together and evict each other (0.35 of the oracle; a fill of
-0.7 kept 0.92, 0.6 kept 1.00 with new conversations waiting longer). So the fill admission
-admits up to adapts per engine: when a live conversation's next turn finds most of its
-history gone from its engine, the engine's fill backs off; each turn that finds it kept
-raises the fill again, up to `router.kv_admission_fill` (unset: 0.7 on an engine without a
-host tier, 0.95 on one with: a history pushed out of HBM there is reloaded, not
-recomputed). Histories in a host tier count as kept, so there the fill stays at its
-ceiling.
+0.7 kept 0.92, 0.6 kept 1.00 with new conversations waiting longer). Hence the ceiling
+`router.kv_admission_fill` (unset: 0.7 on an engine without a host tier, 0.95 on one with,
+where a history pushed out of HBM is reloaded, not recomputed), and below it a fill that
+adapts per engine: when a live conversation's next turn finds most of what it continues
+gone from its engine, the engine's fill backs off; each turn that finds it kept raises the
+fill again. Histories in a host tier count as kept. Only an index that follows the
+engines' KV events (`events`) can tell; the `predicted` index learns nothing. Each router
+learns from its own conversations; an engine whose cache is emptied (a restart, a reset)
+reads as losses for the conversations that come back to it.
 
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
@@ -65,6 +67,10 @@ and an engine recovers from 0.6 to 0.95 over some 175 kept turns."""
 FILL_FLOOR = 0.3
 """The lowest fill an engine backs off to (histories that outgrow the cache by themselves
 evict each other whatever admission does)."""
+LOST = 0.5
+"""A history counts as lost when less than this share of what its next turn continues is
+predicted cached: LRU evicts a freed request's blocks tail first, so a history under
+pressure loses its end before its start, and a single evicted block is not pressure."""
 
 
 @dataclass
@@ -78,8 +84,10 @@ class _Conversation:
 class KVBudget:
     def __init__(self, idle_s: float, fill: float | None = None,
                  clock: Callable[[], float] = time.monotonic, protect: str = "auto") -> None:
-        self.idle_s, self.fill, self._clock = idle_s, fill, clock
-        """`fill`: router.kv_admission_fill, the ceiling (None: by tier, see ceiling())."""
+        self.idle_s, self._clock = idle_s, clock
+        self.fill = fill
+        """router.kv_admission_fill: the ceiling of every engine's fill (None: by its tier,
+        see ceiling())."""
         self.protect = protect
         """router.kv_admission_protect: auto, live or running."""
         self.capacity: dict[str, int] = {}
@@ -92,8 +100,9 @@ class KVBudget:
         """Per engine: tokens of the histories of conversations with a turn in flight."""
         self.host_tier: set[str] = set()
         """Engines with a host-memory KV tier."""
-        self._fill: dict[str, float] = {}
-        """Per engine: the fill admission admits up to now (see the module doc)."""
+        self._backoff: dict[str, float] = {}
+        """Per engine: its fill now as a share of its ceiling (see the module doc; a share,
+        so a new ceiling applies at once)."""
         self._live: OrderedDict[str, _Conversation] = OrderedDict()
         """By last activity, oldest first."""
 
@@ -109,7 +118,7 @@ class KVBudget:
         # `running` stays: requests still running there end later (and a replica marked
         # down may rejoin under its name); dropping it here would leave it negative.
         self.capacity.pop(replica, None)
-        self._fill.pop(replica, None)
+        self._backoff.pop(replica, None)
         self.reserved.pop(replica, None)
         self.active.pop(replica, None)
         self.host_tier.discard(replica)
@@ -126,7 +135,7 @@ class KVBudget:
     def fill_of(self, replica: str) -> float:
         """The fraction of `replica`'s KV cache admission admits up to now."""
         top = self.ceiling(replica)
-        return min(top, self._fill.get(replica, top))
+        return max(min(FILL_FLOOR, top), top * self._backoff.get(replica, 1.0))
 
     def is_live(self, session: str | None) -> bool:
         self._expire()
@@ -182,18 +191,22 @@ class KVBudget:
 
     # --- lifecycle ----------------------------------------------------------------------
     def dispatched(self, replica: str, session: str | None, prompt_tokens: int,
-                   max_tokens: int, cached_tokens: int | None = None) -> int:
-        """A request is sent to `replica`, where the router predicts `cached_tokens` of its
-        prompt are cached (None: unknown); returns the running tokens it holds until
-        `ended`."""
+                   max_tokens: int, continued: tuple[int, int] | None = None) -> int:
+        """A request is sent to `replica`; returns the running tokens it holds until
+        `ended`. `continued`: (tokens it shares with its conversation's previous prompt and
+        answer, tokens the router's index predicts cached there), for the fill to learn
+        whether the history was kept; None: nothing to learn from."""
         now = self._clock()
         if not session:
             held = prompt_tokens + max_tokens
         else:
             self._expire()
             conv = self._live.pop(session, None)
-            if conv is not None and conv.replica == replica and cached_tokens is not None:
-                self._learn(replica, kept=cached_tokens >= conv.tokens // 2)
+            # A live conversation back at its engine with no turn of it in flight (an
+            # earlier turn still running has not been indexed yet): was its history kept?
+            if conv is not None and conv.replica == replica and not conv.running and \
+                    continued is not None and continued[0] > 0:
+                self._learn(replica, kept=continued[1] >= continued[0] * LOST)
             if conv is not None:
                 self.reserved[conv.replica] -= conv.tokens
                 if conv.running:
@@ -211,10 +224,13 @@ class KVBudget:
 
     def _learn(self, replica: str, kept: bool) -> None:
         """A live conversation's next turn at home found its history kept or lost."""
-        fill = self.fill_of(replica)
-        fill = min(self.ceiling(replica), fill + FILL_RECOVERY) if kept else \
-            max(FILL_FLOOR, fill * FILL_BACKOFF)
-        self._fill[replica] = fill
+        top = self.ceiling(replica)
+        share = self._backoff.get(replica, 1.0)
+        if kept:
+            share = min(1.0, share + FILL_RECOVERY / top)
+        else:
+            share = max(min(1.0, FILL_FLOOR / top), share * FILL_BACKOFF)
+        self._backoff[replica] = share
 
     def finished(self, replica: str, session: str | None, context_tokens: int) -> None:
         """The turn ran to its end: the conversation's history is now `context_tokens`."""

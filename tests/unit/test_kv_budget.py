@@ -168,70 +168,112 @@ def test_a_live_conversation_with_room_at_home_may_still_be_moved_by_the_policy(
 
 def test_the_fill_backs_off_where_live_histories_are_lost_and_recovers_where_kept():
     """Admission judges newcomers on today's histories, which grow every turn: where live
-    conversations come back to find their history evicted, the engine admits up to less;
-    where they find it kept, the fill climbs back to the ceiling (router.kv_admission_fill)."""
+    conversations come back to find what they continue evicted, the engine admits up to
+    less; where they find it kept, the fill climbs back to the ceiling."""
     from rayattn.routing.kv_budget import FILL_BACKOFF, FILL_FLOOR
 
-    kv = KVBudget(idle_s=5.0, fill=0.9)
+    now = [0.0]
+    kv = KVBudget(idle_s=5.0, fill=0.9, clock=lambda: now[0])
     kv.joined("e0", 10_000)
     kv.joined("e1", 10_000)
 
-    def turn(replica: str, session: str, cached: int | None) -> None:
-        h = kv.dispatched(replica, session, 2_000, 100, cached)
+    def turn(replica: str, session: str, continued: tuple[int, int] | None) -> None:
+        h = kv.dispatched(replica, session, 2_000, 100, continued)
         kv.finished(replica, session, 2_100)
         kv.ended(replica, session, h)
 
-    turn("e0", "a", 0)  # a first turn teaches nothing
+    turn("e0", "a", (0, 0))  # a first turn teaches nothing
     assert kv.fill_of("e0") == 0.9
-    turn("e0", "a", 200)  # back at home, 200 of its 2,100 tokens left: lost
+    turn("e0", "a", (2_000, 200))  # back home, 200 of the 2,000 it continues left: lost
     assert kv.fill_of("e0") == 0.9 * FILL_BACKOFF and kv.fill_of("e1") == 0.9
     # The lower fill is what admission applies: 1,000 running + 5,100 new + 2,100 live
     # fit 0.9 of 10k but not 0.81 of it (while something runs there).
     kv.dispatched("e0", None, 900, 100)
     assert kv.room(["e0"], "new", 5_000, 100) == []
     assert kv.room(["e0"], "new", 4_900, 100) == ["e0"]
+    # A new ceiling applies at once, the back-off kept as a share of it.
     kv.fill = 1.0
-    assert kv.room(["e0"], "new", 5_000, 100) == []  # the ceiling rose, the fill did not
-    for _ in range(20):
-        turn("e0", "a", None)  # unknown (no index): nothing learned
-    assert kv.fill_of("e0") == 0.9 * FILL_BACKOFF
-    for _ in range(200):
-        turn("e0", "a", 2_000)  # kept
+    assert kv.fill_of("e0") == FILL_BACKOFF
+    for continued in (None, (0, 0)):  # nothing to learn from: unchanged
+        for _ in range(20):
+            turn("e0", "a", continued)
+    assert kv.fill_of("e0") == FILL_BACKOFF
+    turn("e0", "a", (2_000, 1_000))  # half of it kept: not a loss
+    assert kv.fill_of("e0") > FILL_BACKOFF
+    for _ in range(100):
+        turn("e0", "a", (2_000, 2_000))
     assert kv.fill_of("e0") == 1.0
     for _ in range(100):
-        turn("e0", "a", 0)
+        turn("e0", "a", (2_000, 0))
     assert kv.fill_of("e0") == FILL_FLOOR
-    turn("e1", "a", 0)  # a moved: a turn away from home says nothing of either engine
+    # Not a turn back home with nothing of it in flight: says nothing of either engine.
+    turn("e1", "a", (2_000, 0))  # a moved
+    kv.dispatched("e1", "a", 2_000, 100, (2_000, 2_000))  # a turn still running there...
+    kv.dispatched("e1", "a", 2_000, 100, (2_000, 0))  # ...is not indexed yet
     assert kv.fill_of("e1") == 1.0
+    now[0] = 100.0
+    kv.dispatched("e1", "b", 2_000, 100, (2_000, 0))
+    assert kv.fill_of("e1") == 1.0  # b is no live conversation here
+    kv.fill = 0.1  # a ceiling under the floor is the floor
+    assert kv.fill_of("e0") == 0.1
     kv.left("e0")
     kv.joined("e0", 10_000)
-    assert kv.fill_of("e0") == 1.0
+    assert kv.fill_of("e0") == 0.1
 
 
-def test_the_core_reports_what_its_index_predicts_to_the_budget():
-    core = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
-                                    kv_admission_fill=0.9).model_dump(), 16)
-    core.joined("e0", 16, 500)
-    prompt = list(range(3000))
-    for _ in range(2):
-        route = core.request(prompt, session="s1")
-        route.max_tokens = 64
-        d = core.choose(route, ["e0"])
-        core.dispatched(d, route)
-        core.finished(d, route, Finished(len(prompt), 0, list(range(64))))
-        core.ended(d)
-        prompt = prompt + list(range(64)) + list(range(7000, 7100))
-    # The second turn found its history in the (predicted) cache: kept, fill at its ceiling.
-    assert d.predicted_cached_tokens >= 3000
-    assert core.snapshot().routable["e0"].admission_fill == 0.9
-    core.index.remove_replica("e0")  # the engine's cache emptied under the router
-    core.index.add_replica("e0", 500)
-    route = core.request(prompt, session="s1")
-    route.max_tokens = 64
-    d = core.choose(route, ["e0"])
-    core.dispatched(d, route)
-    assert d.predicted_cached_tokens == 0
-    assert core.snapshot().routable["e0"].admission_fill < 0.9
+def test_the_core_learns_from_its_event_index_and_only_with_admission_on():
+    from rayattn.routing.hashing import to_key
+    from rayattn.routing.kv_budget import FILL_BACKOFF
+
+    for admission in (True, False):
+        now = [0.0]
+        core = RoutingCore(RouterConfig(kv_admission=admission, kv_admission_fill=0.9,
+                                        speculative_ttl_s=1.0).model_dump(), 16,
+                           clock=lambda now=now: now[0])
+        core.joined("e0", 16, 5000)
+        prompt = list(range(3000))
+        for turn in range(3):
+            route = core.request(prompt, session="s1")
+            route.max_tokens = 64
+            d = core.choose(route, ["e0"])
+            core.dispatched(d, route)
+            if turn == 2:
+                break
+            output = list(range(10_000, 10_064))
+            core.finished(d, route, Finished(len(prompt), 0, output))
+            core.ended(d)
+            now[0] += 2.0  # past the speculative entries: the index is the engine's events
+            cached = prompt + output[:-1]  # what vLLM caches: all but the last token's KV
+            keys = [to_key(h) for h in core.hasher.full_hashes(cached)]
+            core.index.stored("e0", keys)
+            if turn == 0:
+                assert route.continued_tokens == 0
+            else:  # turn 1 found turn 0's history: kept
+                assert route.continued_tokens > 3000 and d.predicted_cached_tokens > 3000
+                assert core.kv.fill_of("e0") == 0.9
+                core.index.removed("e0", keys)  # evicted before turn 2
+            prompt = cached + [1] + list(range(20_000, 20_100))
+        # Turn 2 continues turn 1's history, which the engine evicted: with admission on,
+        # a loss (the index followed the engine); off, nothing is learned.
+        assert route.continued_tokens > 3000 and d.predicted_cached_tokens == 0
+        assert core.snapshot().routable["e0"].admission_fill == \
+            (0.9 * FILL_BACKOFF if admission else 0.9)
+    # The predicted index guesses from the router's own traffic: nothing learned from it.
+    predicted = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
+                                         kv_admission_fill=0.9).model_dump(), 16)
+    assert predicted.joined("e0", 16, 5000)
+    route = predicted.request(list(range(3000)), session="s")
+    d = predicted.choose(route, ["e0"])
+    predicted.dispatched(d, route)
+    predicted.finished(d, route, Finished(3000, 0, [1, 2]))
+    predicted.ended(d)
+    predicted.index.remove_replica("e0")
+    predicted.index.add_replica("e0", 5000)
+    route = predicted.request(list(range(3000)) + [1, 5, 6], session="s")
+    d = predicted.choose(route, ["e0"])
+    predicted.dispatched(d, route)
+    assert route.continued_tokens > 0 and d.predicted_cached_tokens == 0
+    assert predicted.kv.fill_of("e0") == 0.9
 
 
 def test_unset_the_ceiling_is_lower_where_no_host_tier_keeps_evicted_histories():

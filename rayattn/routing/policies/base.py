@@ -44,6 +44,9 @@ class RouteRequest:
     """Its cache namespace (vLLM's `cache_salt`), hashed into its first block."""
     pinned: str | None = None
     """The only replica that can serve it (it continues state kept in that engine)."""
+    continued_tokens: int = 0
+    """Tokens (whole blocks) it shares with its conversation's previous prompt and answer
+    as the engine cached them: what its engine should still hold (set by the core)."""
 
 
 @dataclass
