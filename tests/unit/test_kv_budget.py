@@ -289,3 +289,20 @@ def test_unset_the_ceiling_is_lower_where_no_host_tier_keeps_evicted_histories()
     assert kv.room(["hbm", "host"], "new", 7_000, 100) == ["host"]
     kv.fill = 0.8  # set: the same ceiling everywhere
     assert kv.ceiling("hbm") == kv.ceiling("host") == 0.8
+
+
+def test_a_cold_start_forgets_the_back_off_and_a_new_ceiling_applies_live():
+    from rayattn.routing.kv_budget import FILL_BACKOFF
+
+    core = RoutingCore(RouterConfig(kv_admission=True, kv_admission_fill=0.9).model_dump(), 16)
+    core.joined("e0", 16, 5000)
+    core.kv._learn("e0", kept=False)
+    assert core.kv.fill_of("e0") == 0.9 * FILL_BACKOFF
+    # A live change of the ceiling (user_config) keeps the back-off as a share of it.
+    core.reconfigure({**core.settings, "kv_admission_fill": 0.5})
+    assert core.kv.fill_of("e0") == 0.5 * FILL_BACKOFF
+    core.reconfigure({**core.settings, "kv_admission_fill": None})  # unset: by tier
+    assert core.kv.fill_of("e0") == 0.7 * FILL_BACKOFF
+    # After a reset the engines are empty: what was lost before says nothing now.
+    core.reset()
+    assert core.kv.fill_of("e0") == 0.7
