@@ -404,9 +404,9 @@ class RouterConfig(_Strict):
     other routers' requests, output beyond max_tokens estimates, histories growing turn by
     turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
     histories; one H200, doc_chat, histories growing 4.7k -> 7.6k tokens: 0.95 kept 0.35 of
-    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time, docs/gpu.md section 9), 0.95 on
-    engines with one (engine.kv_offload: a history pushed out of HBM is reloaded, not
-    recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
+    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time, docs/gpu.md section 9),
+    0.95 on engines with one (engine.kv_offload: a history pushed out of HBM is reloaded,
+    not recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
     this ceiling while its live conversations come back to find their history evicted, and
     climbs back while they find it kept (routing/kv_budget.py; /health's
     `admission_fill`)."""

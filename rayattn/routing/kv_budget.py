@@ -200,7 +200,8 @@ class KVBudget:
         if not session:
             held = prompt_tokens + max_tokens
         else:
-            self._expire()
+            if continued is not None and continued[0] > 0:
+                self._expire()  # only a conversation live now teaches (room() expires too)
             conv = self._live.pop(session, None)
             # A live conversation back at its engine with no turn of it in flight (an
             # earlier turn still running has not been indexed yet): was its history kept?
