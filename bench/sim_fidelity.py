@@ -8,7 +8,9 @@ then replays every other run's exact requests (prompts, outputs, conversation or
 through the simulator at the same concurrency and prints real vs simulated hit/oracle and
 TTFT p50/p90. `--repeats N` runs every real case N times: the table compares the simulator
 with the median of the real runs and shows their spread, the noise any prediction lives
-with. `--runs runs.json` redoes the fit and the table from saved runs.
+with. The simulator draws the router's time per request (which request of a burst it
+routes first), so every case is simulated `--sim-seeds` times and the table takes their
+median too. `--runs runs.json` redoes the fit and the table from saved runs.
 
     .venv/bin/python bench/sim_fidelity.py --out bench/results/fidelity
 """
@@ -79,9 +81,11 @@ def main() -> None:
                     help="policies run and simulated on the validation seeds")
     ap.add_argument("--repeats", type=int, default=1,
                     help="real runs of every case (the table takes their median)")
+    ap.add_argument("--sim-seeds", type=int, default=5,
+                    help="simulated runs of every case (the table takes their median)")
     a = ap.parse_args()
-    if a.repeats < 1:
-        ap.error("--repeats must be at least 1")
+    if a.repeats < 1 or a.sim_seeds < 1:
+        ap.error("--repeats and --sim-seeds must be at least 1")
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(str(resolve_embedded("rayattn://smollm2-135m")))
@@ -120,11 +124,14 @@ def main() -> None:
     for (seed, name, policy), reals in cases.items():
         wl, res, _ = reals[0]  # the simulator replays the first run's requests
         trace = trace_from_run(res, wl, tok, model.block_size)
-        sim = simulate(trace, 2, policy, model, index="events", concurrency=a.concurrency)
+        sims = [simulate(trace, 2, policy, model, index="events", concurrency=a.concurrency,
+                         seed=k) for k in range(a.sim_seeds)]
         row = {"workload": name, "seed": seed, "policy": policy, "real_runs": len(reals),
-               "sim_hit_vs_oracle": sim.hit_vs_oracle, "sim_ttft_p50_s": sim.ttft_p50_s,
-               "sim_ttft_p90_s": sim.ttft_p90_s, "sim_later_ttft_p90_s": sim.later_ttft_p90_s,
-               "sim_wall_s": sim.sim_wall_s}
+               "sim_runs": len(sims)}
+        for key, sim_key in (("hit_vs_oracle", "hit_vs_oracle"), ("ttft_p50_s", "ttft_p50_s"),
+                             ("ttft_p90_s", "ttft_p90_s"),
+                             ("later_ttft_p90_s", "later_ttft_p90_s"), ("wall_s", "sim_wall_s")):
+            row[f"sim_{key}"] = statistics.median(getattr(x, sim_key) for x in sims)
         for key, real_key in (("hit_vs_oracle", "hit_vs_block_oracle"),
                               ("ttft_p50_s", "ttft_p50_s"), ("ttft_p90_s", "ttft_p90_s"),
                               ("later_ttft_p90_s", "later_ttft_p90_s"), ("wall_s", "wall_s")):

@@ -6,10 +6,12 @@ squares: a first guess, biased because a request's prefill and inter-token times
 the other requests batched into the same steps. `calibrate` then replays the run's exact
 requests through the simulator (the shipped routing core included) and adjusts the
 coefficients until the simulated run matches the real one's engine-side TTFT and wall time.
-`hop_s` (router, proxy, streaming) is measured directly: the median of client TTFT minus
-engine TTFT; `frontend_s` (the engine replica's own rendering before vLLM queues the
-request) starts from the lower quartile of engine TTFT minus vLLM's queue and prefill times
-and is calibrated with the rest. Validate on other seeds than the ones calibrated on
+`router_s` (the router's own time per request, in every account) and `hop_s` (the rest of
+the way: proxy, engine calls, streaming; the median of client TTFT minus engine TTFT minus
+the router's time) are measured directly; `frontend_s` (the engine replica's own work
+before vLLM queues the request) starts from the lower quartile of engine TTFT minus vLLM's
+queue and prefill times and is calibrated with the rest. `step_overlap` starts at 1 (a
+roofline) and is calibrated too. Validate on other seeds than the ones calibrated on
 (bench/sim_fidelity.py).
 """
 
@@ -73,7 +75,9 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
         rows.append([float(computed), float(r.cached_tokens)])
         ys.append(max(0.0, r.engine_prefill_s - step))  # type: ignore[operator]
     prefill, ctx = _lstsq(rows, ys)
-    hops = [r.ttft_s - r.engine_ttft_s for r in ok if r.engine_ttft_s is not None]
+    hops = [r.ttft_s - r.engine_ttft_s - (r.router_s or 0.0)
+            for r in ok if r.engine_ttft_s is not None]
+    routers = [r.router_s for r in ok if r.router_s is not None]
     # Engine arrival → vLLM's queue: the engine replica's own rendering and tokenizing. On
     # CPU it shares a core with the engine's compute and stretches while a long prefill
     # runs: start from the lower quartile (uncontended); calibration adjusts it.
@@ -82,7 +86,9 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
     return replace(base, prefill_s_per_token=prefill or base.prefill_s_per_token,
                    ctx_s_per_token=ctx, itl_base_s=itl_base, itl_per_seq_s=itl_per_seq,
                    hop_s=max(0.0, statistics.median(hops)) if hops else base.hop_s,
-                   frontend_s=max(0.0, front[len(front) // 4]) if front else 0.0)
+                   router_s=statistics.mean(routers) if routers else base.router_s,
+                   frontend_s=max(0.0, front[len(front) // 4]) if front else 0.0,
+                   step_overlap=1.0)
 
 
 def results_from_json(rows: list[dict]) -> list[Result]:
@@ -130,28 +136,34 @@ def case_of(results: list[Result], trace: list[SimRequest], wall_s: float,
 
 
 _CALIBRATED = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
-               "attn_s_per_token_pair", "frontend_s")
+               "attn_s_per_token_pair", "frontend_s", "step_overlap")
+_CEILING = {"step_overlap": 1.0}
 
 
 # Where a coefficient the least-squares stage left at 0 starts its search.
 _SEED_VALUE = {"prefill_s_per_token": 1e-4, "itl_base_s": 1e-2, "itl_per_seq_s": 1e-4,
                "ctx_s_per_token": 1e-6, "attn_s_per_token_pair": 1e-8,
-               "frontend_s": 1e-2}
+               "frontend_s": 1e-2, "step_overlap": 1.0}
 
 
 def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
-              policy: str = "affinity") -> EngineModel:
+              policy: str = "affinity", seeds: int = 3) -> EngineModel:
     """Coordinate descent in log space on the step model's coefficients, minimising the
     squared log-ratios of simulated to real engine TTFT p50 / p90, prefill and inter-token
-    medians and wall time over `cases` (the simulator's TTFT is the engine's plus hop_s,
-    taken out here)."""
+    medians and wall time over `cases` (the simulator's TTFT is the engine's plus the
+    router's time and hop_s, taken out here), each case simulated with `seeds` seeds of
+    the router's time where it has one (a single run's order of near-simultaneous
+    arrivals is chance)."""
+    runs = range(seeds if start.router_s > 0 else 1)
+
     def loss(m: EngineModel) -> float:
         total = 0.0
-        for c in cases:
+        for c, k in ((c, k) for c in cases for k in runs):
             r = simulate(c.trace, c.replicas, policy, m, index="events",
-                         concurrency=c.concurrency, think_s=c.think_s)
-            for sim, real in ((r.ttft_p50_s - m.hop_s, c.engine_ttft_p50_s),
-                              (r.ttft_p90_s - m.hop_s, c.engine_ttft_p90_s),
+                         concurrency=c.concurrency, think_s=c.think_s, seed=k)
+            outside = m.hop_s + m.router_s
+            for sim, real in ((r.ttft_p50_s - outside, c.engine_ttft_p50_s),
+                              (r.ttft_p90_s - outside, c.engine_ttft_p90_s),
                               (r.engine_prefill_p50_s, c.engine_prefill_p50_s),
                               (r.engine_itl_p50_s, c.engine_itl_p50_s),
                               (r.sim_wall_s, c.wall_s)):
@@ -164,7 +176,8 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
     for _ in range(rounds):
         for name in _CALIBRATED:
             for factor in (step, 1 / step):
-                value = getattr(best, name) * factor or _SEED_VALUE[name] * factor
+                value = min(getattr(best, name) * factor or _SEED_VALUE[name] * factor,
+                            _CEILING.get(name, math.inf))
                 trial = replace(best, **{name: value})
                 trial_loss = loss(trial)
                 if trial_loss < best_loss:

@@ -7,17 +7,25 @@ real ones.
 Engine model (one replica), a step loop like vLLM's scheduler:
   * every step runs all running sequences' next token plus prompt chunks from the waiting
     queue (FIFO) up to `max_batched_tokens`, at most `max_seqs` sequences;
-  * a step takes itl_base_s + itl_per_seq_s × decodes + prefill_s_per_token × prompt
-    tokens computed + ctx_s_per_token × cached tokens the new prompts attend to +
+  * a step has a fixed part, itl_base_s + itl_per_seq_s × decodes (reading the weights,
+    which every step pays once, and the sequences' own overhead), and a compute part,
+    prefill_s_per_token × the tokens it computes (prompt tokens and one per decode);
+    `step_overlap` of the shorter runs under the longer: 0 adds them, 1 takes the longer
+    (a roofline: a short extend rides on the weights' read almost free while a long
+    prefill is bound by compute). Added to that: ctx_s_per_token × cached tokens the new
+    prompts attend to +
     attn_s_per_token_pair × Σ over prompt chunks of (tokens computed × tokens before them)
     (attention of the new tokens over their context: what makes a long extend slower than
     a short one with the same number of new tokens);
   * a prompt's cache hit is decided when it is first scheduled, by the replica's block LRU
     (bounded by its KV capacity), with vLLM's rule (whole blocks, never the last token);
     its blocks are cached once its prefill completes, prompt + output when it finishes.
-Before a request reaches the engine's waiting queue, the engine replica renders and
-tokenizes it again, one request at a time, `frontend_s` each; `hop_s` is added to every
-first token (router, proxy and streaming hops).
+The router spends `router_s` on each request before it chooses (rendering, tokenizing,
+hashing), drawn per request from an exponential with that mean: requests that arrive
+together leave the router's renderer threads in either order, as they do in the real
+router, which is what decides where round_robin sends them. Before a request reaches the
+engine's waiting queue, the engine replica takes it in, one request at a time,
+`frontend_s` each; `hop_s` is added to every first token (proxy, engine calls, streaming).
 
 Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
 from the command line (docs/gpu.md has the H200 ones).
@@ -78,6 +86,14 @@ class EngineModel:
     hop_s: float = 0.0
     attn_s_per_token_pair: float = 0.0
     frontend_s: float = 0.0
+    router_s: float = 0.0
+    """Mean of the router's own time per request before it chooses (0: none, and a
+    deterministic run)."""
+    step_overlap: float = 0.0
+    """Share (0..1) of the shorter of a step's fixed and compute parts that runs under the
+    longer. Calibrated from a real run (about 1 on the CPU engines of docs/benchmarks.md);
+    0, the default, is the additive model the GPU coefficients of docs/gpu.md were fitted
+    with."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -180,9 +196,10 @@ class _Engine:
             budget = m.max_batched_tokens - len(decodes) - prefill_tokens
             self.running.append(s)
             chunked.append(s)
-        dt = (m.itl_base_s + m.itl_per_seq_s * len(decodes)
-              + m.prefill_s_per_token * prefill_tokens + m.ctx_s_per_token * ctx_tokens
-              + m.attn_s_per_token_pair * self.pairs)
+        fixed = m.itl_base_s + m.itl_per_seq_s * len(decodes)
+        compute = m.prefill_s_per_token * (prefill_tokens + len(decodes))
+        dt = (fixed + compute - m.step_overlap * min(fixed, compute)
+              + m.ctx_s_per_token * ctx_tokens + m.attn_s_per_token_pair * self.pairs)
         end = now + dt
         first = [s for s in chunked if s.left == 0]
         for s in first:
@@ -243,7 +260,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     engines = {n: _Engine(n, model, truth) for n in names}
 
     # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
-    # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq)
+    # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq),
+    # 3 the router has rendered a request and chooses (request index, arrival time)
     events: list[tuple[float, int, int, object]] = []
     counter = 0
 
@@ -253,6 +271,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         heapq.heappush(events, (t, counter, kind, payload))
 
     think = random.Random(seed)
+    rendering = random.Random(seed + 1)
     convs: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(trace):
         convs[r.session].append(i)
@@ -297,8 +316,11 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     while events:
         t, _, kind, payload = heapq.heappop(events)
         advance(t)
-        if kind == 0:
-            i = payload  # type: ignore[assignment]
+        if kind == 0 and model.router_s > 0:
+            push(t + rendering.expovariate(1 / model.router_s), 3, (payload, t))
+            continue
+        if kind in (0, 3):
+            i, arrived = (payload, t) if kind == 0 else payload  # type: ignore[misc]
             req = trace[i]
             rt = i % routers if concurrency is None else req.turn % routers
             core = cores[rt]
@@ -317,10 +339,10 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             per_replica[d.replica] += 1
             inflight[d.replica] += 1
             running_by[d.replica][str(rt)] += 1
-            # The engine replica renders requests one at a time (one Python event loop).
+            # The engine replica takes requests in one at a time (one Python event loop).
             eng = engines[d.replica]
             eng.frontend_free = max(t, eng.frontend_free) + model.frontend_s
-            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, t))
+            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, arrived))
             continue
         if kind == 2:  # the request reaches its engine's waiting queue
             seq_ = payload

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from rayattn.bench.simulate import EngineModel, multi_turn_trace, shared_prefix_trace, simulate
@@ -82,3 +84,68 @@ def test_simulated_hits_follow_vllms_rule():
     res = simulate(trace, 1, "affinity", MODEL)
     assert res.hit_rate == pytest.approx(32 / 128)
     assert res.oracle_hit_rate == pytest.approx(32 / 128)
+
+
+def _one_request(prompt_tokens: int, model: EngineModel) -> float:
+    from rayattn.bench.simulate import SimRequest
+
+    blocks = prompt_tokens // model.block_size
+    trace = [SimRequest(0.0, list(range(1, blocks + 1)), prompt_tokens,
+                        list(range(1, blocks + 2)), 2, "s")]
+    return simulate(trace, 1, "round_robin", model).ttft_p50_s
+
+
+def test_a_steps_fixed_part_runs_under_its_compute_as_far_as_calibrated():
+    # Every step reads the weights once (itl_base_s) and computes its tokens. Overlapped
+    # fully (a roofline), a short prompt rides on the weights' read for free and a long one
+    # is bound by its compute; not at all, the two add up.
+    roofline = EngineModel(prefill_s_per_token=1e-3, ctx_s_per_token=0.0, itl_base_s=0.05,
+                           itl_per_seq_s=0.0, capacity_blocks=600, block_size=32,
+                           step_overlap=1.0)
+    assert _one_request(32, roofline) == pytest.approx(0.05)
+    assert _one_request(320, roofline) == pytest.approx(0.32)
+    assert _one_request(32, replace(roofline, step_overlap=0.0)) == pytest.approx(0.082)
+    assert _one_request(32, replace(roofline, step_overlap=0.5)) == pytest.approx(0.066)
+
+
+def _bursts(pairs: int) -> list:
+    """Two groups whose prompts arrive in pairs at the same instant, group a first."""
+    from rayattn.bench.simulate import SimRequest
+
+    trace = []
+    for k in range(pairs):
+        for g, base in (("a", 100), ("b", 200)):
+            keys = [base, base + 1, 1000 * base + k]
+            trace.append(SimRequest(float(k), keys, 96, keys + [7 + k], 2, f"{g}{k}"))
+    return trace
+
+
+def test_the_routers_own_time_decides_which_request_of_a_burst_goes_first():
+    # round_robin over two replicas sends a burst's first request to one and its second to
+    # the other. Without the router's time, list order always puts group a on one replica
+    # and group b on the other (every shared prefix found); with it, the order within a
+    # burst is the renderer's, so groups spill over, the same way for the same seed.
+    trace = _bursts(12)
+    instant = simulate(trace, 2, "round_robin", MODEL)
+    assert instant.hit_rate == pytest.approx(instant.oracle_hit_rate)
+    timed = replace(MODEL, router_s=0.002)
+    runs = [simulate(trace, 2, "round_robin", timed, seed=k) for k in range(4)]
+    assert all(r.hit_rate < r.oracle_hit_rate - 0.05 for r in runs)
+    again = simulate(trace, 2, "round_robin", timed, seed=0)
+    assert (again.hit_rate, again.per_replica) == (runs[0].hit_rate, runs[0].per_replica)
+    # The router's time is part of every first token.
+    assert runs[0].ttft_p50_s > instant.ttft_p50_s
+
+
+def test_the_fit_measures_the_routers_time_and_leaves_it_out_of_the_hop():
+    from rayattn.bench.driver import Result
+    from rayattn.bench.fit import fit_engine_model
+
+    results = [Result(f"s{i}", 0, 256, 128, 8, ttft_s=0.30, e2e_s=0.5, replica="e0",
+                      path="extend", reason="", status=200, start_s=float(i),
+                      engine_ttft_s=0.25, engine_prefill_s=0.2, engine_queue_s=0.0,
+                      engine_itl_s=0.02, router_s=0.01 + 0.002 * (i % 3))
+               for i in range(12)]
+    fitted = fit_engine_model(results, MODEL)
+    assert fitted.router_s == pytest.approx(0.012)
+    assert fitted.hop_s == pytest.approx(0.05 - 0.012)
