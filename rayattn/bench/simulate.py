@@ -16,7 +16,9 @@ Engine model (one replica), a step loop like vLLM's scheduler:
     prompts attend to +
     attn_s_per_token_pair × Σ over prompt chunks of (tokens computed × tokens before them)
     (attention of the new tokens over their context: what makes a long extend slower than
-    a short one with the same number of new tokens);
+    a short one with the same number of new tokens); all of it × (1 + contention × the
+    other engines busy at the time), for engines that share one host's cores or one GPU
+    and slow each other down;
   * a prompt's cache hit is decided when it is first scheduled, by the replica's block LRU
     (bounded by its KV capacity), with vLLM's rule (whole blocks, never the last token);
     its blocks are cached once its prefill completes, prompt + output when it finishes.
@@ -94,6 +96,11 @@ class EngineModel:
     longer. Calibrated from a real run (about 1 on the CPU engines of docs/benchmarks.md);
     0, the default, is the additive model the GPU coefficients of docs/gpu.md were fitted
     with."""
+    contention: float = 0.0
+    """How much longer a step takes for each other engine of the fleet that has work at
+    the time. For engines that share a host (the CPU engines here, two engines on one GPU):
+    they run at their own speed only while the other is idle. 0 (the default) for engines
+    of their own."""
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -167,6 +174,8 @@ class _Engine:
         self.pairs = 0.0
         """This step's Σ tokens computed × tokens before them."""
         self.frontend_free = 0.0
+        self.fleet: list[_Engine] = [self]
+        """Every engine of the simulation (for contention)."""
         """When the replica's frontend (rendering, tokenizing) is free for the next."""
 
     def step(self, now: float) -> tuple[float, list[_Seq], list[_Seq]]:
@@ -200,6 +209,8 @@ class _Engine:
         compute = m.prefill_s_per_token * (prefill_tokens + len(decodes))
         dt = (fixed + compute - m.step_overlap * min(fixed, compute)
               + m.ctx_s_per_token * ctx_tokens + m.attn_s_per_token_pair * self.pairs)
+        if m.contention:
+            dt *= 1 + m.contention * sum(e.busy for e in self.fleet if e is not self)
         end = now + dt
         first = [s for s in chunked if s.left == 0]
         for s in first:
@@ -258,6 +269,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         for c in cores:
             c.joined(n, model.block_size, model.capacity_blocks, max_batch=model.max_seqs)
     engines = {n: _Engine(n, model, truth) for n in names}
+    for e in engines.values():
+        e.fleet = list(engines.values())
 
     # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
     # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq),

@@ -149,3 +149,21 @@ def test_the_fit_measures_the_routers_time_and_leaves_it_out_of_the_hop():
     fitted = fit_engine_model(results, MODEL)
     assert fitted.router_s == pytest.approx(0.012)
     assert fitted.hop_s == pytest.approx(0.05 - 0.012)
+
+
+def test_engines_that_share_a_host_slow_each_other_down():
+    # Two engines on one host's cores: a step runs (1 + contention) times as long while the
+    # other engine has work too, and at its own speed while the other is idle.
+    from rayattn.bench.simulate import SimRequest
+
+    model = EngineModel(prefill_s_per_token=1e-3, ctx_s_per_token=0.0, itl_base_s=0.05,
+                        itl_per_seq_s=0.0, capacity_blocks=600, block_size=32,
+                        step_overlap=1.0, contention=0.5)
+    alone = [SimRequest(0.0, [1], 320, [1, 2], 2, "a")]
+    assert simulate(alone, 2, "round_robin", model).ttft_p50_s == pytest.approx(0.32)
+    together = alone + [SimRequest(0.0, [3], 320, [3, 4], 2, "b")]
+    both = simulate(together, 2, "round_robin", model)
+    assert both.per_replica == {"engine-0": 1, "engine-1": 1}
+    assert both.ttft_p50_s == pytest.approx(0.48)
+    assert simulate(together, 2, "round_robin", replace(model, contention=0.0)).ttft_p50_s \
+        == pytest.approx(0.32)
