@@ -81,7 +81,7 @@ def main() -> None:
                     help="policies run and simulated on the validation seeds")
     ap.add_argument("--repeats", type=int, default=1,
                     help="real runs of every case (the table takes their median)")
-    ap.add_argument("--sim-seeds", type=int, default=5,
+    ap.add_argument("--sim-seeds", type=int, default=11,
                     help="simulated runs of every case (the table takes their median)")
     a = ap.parse_args()
     if a.repeats < 1 or a.sim_seeds < 1:

@@ -435,7 +435,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model = EngineModel(a.prefill_s_per_token, a.ctx_s_per_token, a.itl_base_s,
                             a.itl_per_seq_s, a.capacity_blocks, a.block_size,
                             router_s=a.router_s, step_overlap=a.step_overlap,
-                            contention=a.contention)
+                            contention=a.contention,
+                            engines_per_host=a.engines_per_host)
     if a.workload == "shared_prefix":
         per_group = max(1, a.requests // a.groups)
         trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,
@@ -557,10 +558,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--itl-base-s", type=float, default=0.02)
     s.add_argument("--itl-per-seq-s", type=float, default=2e-4)
     s.add_argument("--step-overlap", type=float, default=0.0,
-                   help="share of a step's fixed part that runs under its compute (0..1)")
+                   help="share of the shorter of a step's fixed and compute parts that "
+                        "runs under the longer (0..1)")
     s.add_argument("--contention", type=float, default=0.0,
                    help="how much longer a step takes per other busy engine (engines that "
                         "share a host)")
+    s.add_argument("--engines-per-host", type=int, default=0,
+                   help="engines that share a host, for --contention (0: all of them)")
     s.add_argument("--router-s", type=float, default=0.0,
                    help="mean of the router's own time per request before it chooses")
     s.add_argument("--seed", type=int, default=0)

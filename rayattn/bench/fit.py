@@ -1,11 +1,12 @@
 """Engine coefficients for the simulator, fitted from a real `rayattn bench` run.
 
 Two stages. `fit_engine_model` reads the engine's own timings from every request's account
-(`rayattn` in the response) and fits the step model of rayattn/bench/simulate.py by least
-squares: a first guess, biased because a request's prefill and inter-token times include
-the other requests batched into the same steps. `calibrate` then replays the run's exact
-requests through the simulator (the shipped routing core included) and adjusts the
-coefficients until the simulated run matches the real one's engine-side TTFT and wall time.
+(`rayattn` in the response) and fits the step model of rayattn/bench/simulate.py, read as
+additive, by least squares: a first guess, biased because a request's prefill and
+inter-token times include the other requests batched into the same steps. `calibrate`
+then replays the run's exact requests through the simulator (the shipped routing core
+included) and adjusts the coefficients until the simulated run matches the real one's
+engine-side TTFT and wall time.
 `router_s` (the router's own time per request, in every account) and `hop_s` (the rest of
 the way: proxy, engine calls, streaming; the median of client TTFT minus engine TTFT minus
 the router's time) are measured directly; `frontend_s` (the engine replica's own work
@@ -77,7 +78,7 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
     prefill, ctx = _lstsq(rows, ys)
     hops = [r.ttft_s - r.engine_ttft_s - (r.router_s or 0.0)
             for r in ok if r.engine_ttft_s is not None]
-    routers = [r.router_s for r in ok if r.router_s is not None]
+    router_times = [r.router_s for r in ok if r.router_s is not None]
     # Engine arrival → vLLM's queue: the engine replica's own rendering and tokenizing. On
     # CPU it shares a core with the engine's compute and stretches while a long prefill
     # runs: start from the lower quartile (uncontended); calibration adjusts it.
@@ -86,7 +87,7 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
     return replace(base, prefill_s_per_token=prefill or base.prefill_s_per_token,
                    ctx_s_per_token=ctx, itl_base_s=itl_base, itl_per_seq_s=itl_per_seq,
                    hop_s=max(0.0, statistics.median(hops)) if hops else base.hop_s,
-                   router_s=statistics.mean(routers) if routers else base.router_s,
+                   router_s=statistics.mean(router_times) if router_times else base.router_s,
                    frontend_s=max(0.0, front[len(front) // 4]) if front else 0.0,
                    step_overlap=1.0)
 
@@ -137,40 +138,43 @@ def case_of(results: list[Result], trace: list[SimRequest], wall_s: float,
 
 _CALIBRATED = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
                "attn_s_per_token_pair", "frontend_s", "step_overlap", "contention")
+# A share: past 1 a step would run for less than its longer part, or for less than nothing.
 _CEILING = {"step_overlap": 1.0}
 
 
 # Where a coefficient the least-squares stage left at 0 starts its search.
-_SEED_VALUE = {"prefill_s_per_token": 1e-4, "itl_base_s": 1e-2, "itl_per_seq_s": 1e-4,
+_START_VALUE = {"prefill_s_per_token": 1e-4, "itl_base_s": 1e-2, "itl_per_seq_s": 1e-4,
                "ctx_s_per_token": 1e-6, "attn_s_per_token_pair": 1e-8,
                "frontend_s": 1e-2, "step_overlap": 1.0, "contention": 0.1}
 
 # Where calibration also starts, for engines that share a host: each step this much longer
-# while the other engine has work, and faster alone. Coordinate descent does not find it
-# from independent engines (the step base and contention must move together), so both
-# starts are searched and the better fit kept.
+# while another engine of the host has work, and faster alone. Coordinate descent does not
+# find it from independent engines (every time coefficient must fall as contention rises),
+# so both starts are searched and the better fit kept.
 _SHARED_HOST_CONTENTION = 0.4
+_TIMES = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
+          "attn_s_per_token_pair")
 
 
 def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
-              policy: str = "affinity", seeds: int = 3) -> EngineModel:
+              policy: str = "affinity", seeds: int = 8) -> EngineModel:
     """Coordinate descent in log space on the step model's coefficients, minimising the
-    squared log-ratios of simulated to real engine TTFT p50 / p90, prefill and inter-token
-    medians and wall time over `cases` (the simulator's TTFT is the engine's plus the
-    router's time and hop_s, taken out here), each case simulated with `seeds` seeds of
-    the router's time where it has one (a single run's order of near-simultaneous
-    arrivals is chance). Searched from `start` and from a start with engines that slow
-    each other down (`contention`); the better fit is kept."""
-    runs = range(seeds if start.router_s > 0 else 1)
+    squared log-ratios of simulated to real engine-side TTFT p50 / p90, prefill and
+    inter-token medians and wall time over `cases`, each case simulated with `seeds` seeds
+    where the run has chance in it (the router's time decides the order of
+    near-simultaneous arrivals; think times). Searched from `start` and from a start with
+    engines that share a host and slow each other down (`contention`); the better fit is
+    kept."""
+    random_runs = start.router_s > 0 or any(c.think_s > 0 for c in cases)
+    sim_seeds = range(seeds if random_runs else 1)
 
     def loss(m: EngineModel) -> float:
         total = 0.0
-        for c, k in ((c, k) for c in cases for k in runs):
+        for c, k in ((c, k) for c in cases for k in sim_seeds):
             r = simulate(c.trace, c.replicas, policy, m, index="events",
                          concurrency=c.concurrency, think_s=c.think_s, seed=k)
-            outside = m.hop_s + m.router_s
-            for sim, real in ((r.ttft_p50_s - outside, c.engine_ttft_p50_s),
-                              (r.ttft_p90_s - outside, c.engine_ttft_p90_s),
+            for sim, real in ((r.engine_ttft_p50_s, c.engine_ttft_p50_s),
+                              (r.engine_ttft_p90_s, c.engine_ttft_p90_s),
                               (r.engine_prefill_p50_s, c.engine_prefill_p50_s),
                               (r.engine_itl_p50_s, c.engine_itl_p50_s),
                               (r.sim_wall_s, c.wall_s)):
@@ -184,8 +188,10 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
         for _ in range(rounds):
             for name in _CALIBRATED:
                 for factor in (step, 1 / step):
-                    value = min(getattr(best, name) * factor or _SEED_VALUE[name] * factor,
+                    value = min(getattr(best, name) * factor or _START_VALUE[name] * factor,
                                 _CEILING.get(name, math.inf))
+                    if value == getattr(best, name):
+                        continue
                     trial = replace(best, **{name: value})
                     trial_loss = loss(trial)
                     if trial_loss < best_loss:
@@ -195,6 +201,6 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
 
     slowed = 1 + _SHARED_HOST_CONTENTION
     shared = replace(start, contention=_SHARED_HOST_CONTENTION,
-                     itl_base_s=start.itl_base_s / slowed,
-                     prefill_s_per_token=start.prefill_s_per_token / slowed)
+                     engines_per_host=max(c.replicas for c in cases),
+                     **{name: getattr(start, name) / slowed for name in _TIMES})
     return min((descend(start), descend(shared)), key=lambda fit: fit[0])[1]

@@ -8,17 +8,16 @@ Engine model (one replica), a step loop like vLLM's scheduler:
   * every step runs all running sequences' next token plus prompt chunks from the waiting
     queue (FIFO) up to `max_batched_tokens`, at most `max_seqs` sequences;
   * a step has a fixed part, itl_base_s + itl_per_seq_s × decodes (reading the weights,
-    which every step pays once, and the sequences' own overhead), and a compute part,
-    prefill_s_per_token × the tokens it computes (prompt tokens and one per decode);
-    `step_overlap` of the shorter runs under the longer: 0 adds them, 1 takes the longer
-    (a roofline: a short extend rides on the weights' read almost free while a long
-    prefill is bound by compute). Added to that: ctx_s_per_token × cached tokens the new
-    prompts attend to +
+    which every step pays once, and each decode's own cost), and a compute part,
+    prefill_s_per_token × the prompt tokens it computes; `step_overlap` of the shorter
+    runs under the longer: 0 adds them, 1 takes the longer (a roofline: a short extend
+    rides on the weights' read almost free while a long prefill is bound by compute).
+    Added to that: ctx_s_per_token × cached tokens the new prompts attend to +
     attn_s_per_token_pair × Σ over prompt chunks of (tokens computed × tokens before them)
     (attention of the new tokens over their context: what makes a long extend slower than
     a short one with the same number of new tokens); all of it × (1 + contention × the
-    other engines busy at the time), for engines that share one host's cores or one GPU
-    and slow each other down;
+    other engines of its host that have work when the step starts), for engines that
+    share one host's cores or one GPU and slow each other down;
   * a prompt's cache hit is decided when it is first scheduled, by the replica's block LRU
     (bounded by its KV capacity), with vLLM's rule (whole blocks, never the last token);
     its blocks are cached once its prefill completes, prompt + output when it finishes.
@@ -90,17 +89,29 @@ class EngineModel:
     frontend_s: float = 0.0
     router_s: float = 0.0
     """Mean of the router's own time per request before it chooses (0: none, and a
-    deterministic run)."""
+    deterministic run). Measured at the fitted run's load: the real router's time grows
+    with concurrent arrivals, which this mean does not."""
     step_overlap: float = 0.0
     """Share (0..1) of the shorter of a step's fixed and compute parts that runs under the
-    longer. Calibrated from a real run (about 1 on the CPU engines of docs/benchmarks.md);
-    0, the default, is the additive model the GPU coefficients of docs/gpu.md were fitted
-    with."""
+    longer. Calibrated from a real run; 0, the default, is the additive model the GPU
+    coefficients of docs/gpu.md were fitted with."""
     contention: float = 0.0
-    """How much longer a step takes for each other engine of the fleet that has work at
-    the time. For engines that share a host (the CPU engines here, two engines on one GPU):
-    they run at their own speed only while the other is idle. 0 (the default) for engines
-    of their own."""
+    """How much longer a step takes for each other engine of its host that has work when
+    the step starts (the CPU engines of docs/benchmarks.md share two cores: each runs at its
+    own speed only while the other is idle). 0, the default: engines of their own."""
+    engines_per_host: int = 0
+    """Engines that share a host, consecutive in the fleet (0: the whole fleet), for
+    `contention`: a model fitted on two engines of one host slows a 64-replica fleet only
+    pair by pair."""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.step_overlap <= 1.0:
+            raise ValueError(f"step_overlap must be within 0..1, not {self.step_overlap}")
+        for name in ("contention", "router_s", "hop_s", "frontend_s"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.engines_per_host < 0:
+            raise ValueError("engines_per_host must not be negative")
 
     def save(self, path: Path) -> None:
         path.write_text(json.dumps(asdict(self), indent=2))
@@ -142,6 +153,9 @@ class SimResult:
     learned: dict[str, float] = field(default_factory=dict)
     """The first router's cost model at the end (affinity refits it from simulated engine
     timings, as it does from real ones)."""
+    engine_ttft_p50_s: float = 0.0
+    """Sent to the engine replica → first token (what the real engine replica measures)."""
+    engine_ttft_p90_s: float = 0.0
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -156,6 +170,9 @@ class _Seq:
     decision: Decision
     route: RouteRequest
     arrived: float
+    """At the router."""
+    dispatched: float = 0.0
+    """Sent to the engine replica (after the router's own time)."""
     left: int = 0
     """Prompt tokens still to compute (set when first scheduled)."""
     cached: int = -1
@@ -174,9 +191,9 @@ class _Engine:
         self.pairs = 0.0
         """This step's Σ tokens computed × tokens before them."""
         self.frontend_free = 0.0
-        self.fleet: list[_Engine] = [self]
-        """Every engine of the simulation (for contention)."""
-        """When the replica's frontend (rendering, tokenizing) is free for the next."""
+        """When the replica's intake is free for the next request."""
+        self.host: list[_Engine] = [self]
+        """The engines that share this one's host (for contention)."""
 
     def step(self, now: float) -> tuple[float, list[_Seq], list[_Seq]]:
         """Run one step from `now`: (its end, sequences that got their first token,
@@ -206,11 +223,11 @@ class _Engine:
             self.running.append(s)
             chunked.append(s)
         fixed = m.itl_base_s + m.itl_per_seq_s * len(decodes)
-        compute = m.prefill_s_per_token * (prefill_tokens + len(decodes))
+        compute = m.prefill_s_per_token * prefill_tokens
         dt = (fixed + compute - m.step_overlap * min(fixed, compute)
               + m.ctx_s_per_token * ctx_tokens + m.attn_s_per_token_pair * self.pairs)
         if m.contention:
-            dt *= 1 + m.contention * sum(e.busy for e in self.fleet if e is not self)
+            dt *= 1 + m.contention * sum(e.busy for e in self.host if e is not self)
         end = now + dt
         first = [s for s in chunked if s.left == 0]
         for s in first:
@@ -248,8 +265,13 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     names = [f"engine-{i}" for i in range(replicas)]
     settings = {**(router_cfg or RouterConfig()).model_dump(), "policy": policy,
                 "index": index}
-    cores = [RoutingCore(settings, model.block_size, origin=str(r), seed=seed + r)
-             for r in range(routers)]
+    now = 0.0  # the simulated clock, which the cores' TTLs and budgets run on
+
+    def clock() -> float:
+        return now
+
+    cores = [RoutingCore(settings, model.block_size, origin=str(r), seed=seed + r,
+                         clock=clock) for r in range(routers)]
     views = [c.index for c in cores if isinstance(c.index, EventIndex)]
 
     def evicted(rep: str, key: int) -> None:
@@ -269,8 +291,10 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         for c in cores:
             c.joined(n, model.block_size, model.capacity_blocks, max_batch=model.max_seqs)
     engines = {n: _Engine(n, model, truth) for n in names}
-    for e in engines.values():
-        e.fleet = list(engines.values())
+    per_host = model.engines_per_host or replicas
+    fleet = list(engines.values())
+    for k, e in enumerate(fleet):
+        e.host = fleet[k - k % per_host:k - k % per_host + per_host]
 
     # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
     # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq),
@@ -283,8 +307,9 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         counter += 1
         heapq.heappush(events, (t, counter, kind, payload))
 
-    think = random.Random(seed)
-    rendering = random.Random(seed + 1)
+    # Streams of their own, so that seed k's router times are not seed k+1's think times.
+    think = random.Random(f"think/{seed}")
+    router_time = random.Random(f"router/{seed}")
     convs: dict[str, list[int]] = defaultdict(list)
     for i, r in enumerate(trace):
         convs[r.session].append(i)
@@ -300,6 +325,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     next_turn = {idxs[k]: idxs[k + 1] for idxs in convs.values() for k in range(len(idxs) - 1)}
 
     ttfts: dict[int, float] = {}
+    engine_ttfts: list[float] = []
     prefills: list[float] = []
     itls: list[float] = []
     hits = prompt_total = oracle_hits = 0
@@ -328,9 +354,10 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
+        now = t
         advance(t)
         if kind == 0 and model.router_s > 0:
-            push(t + rendering.expovariate(1 / model.router_s), 3, (payload, t))
+            push(t + router_time.expovariate(1 / model.router_s), 3, (payload, t))
             continue
         if kind in (0, 3):
             i, arrived = (payload, t) if kind == 0 else payload  # type: ignore[misc]
@@ -355,7 +382,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             # The engine replica takes requests in one at a time (one Python event loop).
             eng = engines[d.replica]
             eng.frontend_free = max(t, eng.frontend_free) + model.frontend_s
-            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, arrived))
+            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, arrived, t))
             continue
         if kind == 2:  # the request reaches its engine's waiting queue
             seq_ = payload
@@ -372,6 +399,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         step_end, first, done = eng.step(t)
         for s in first:
             ttfts[s.i] = s.first_token_ts - s.arrived + model.hop_s
+            engine_ttfts.append(s.first_token_ts - s.dispatched)
             prefills.append(s.first_token_ts - s.scheduled_ts)
             cores[s.router].first_token(s.decision)
             hits += s.cached
@@ -416,7 +444,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                      time.perf_counter() - t_wall, dict(per_replica),
                      sum(sum(c.regret_tokens.values()) for c in cores),
                      sum(sum(c.session_moves.values()) for c in cores),
-                     _p(sorted(prefills), 0.5), _p(sorted(itls), 0.5), _learned(cores[0]))
+                     _p(sorted(prefills), 0.5), _p(sorted(itls), 0.5), _learned(cores[0]),
+                     _p(sorted(engine_ttfts), 0.5), _p(sorted(engine_ttfts), 0.9))
 
 
 def _learned(core: RoutingCore) -> dict[str, float]:
