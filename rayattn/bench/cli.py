@@ -416,6 +416,21 @@ def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> 
             r["throughput_ratio"] = ratio(r["output_tok_per_s"], best["output_tok_per_s"])
 
 
+# `rayattn simulate`'s engine coefficients: EngineModel fields, with MI300X-class defaults
+# (per replica of TP8, docs/benchmarks.md) where the model's own are CPU ones.
+_ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
+    "prefill_s_per_token": (2e-5, None),
+    "ctx_s_per_token": (2e-7, None),
+    "itl_base_s": (0.02, None),
+    "itl_per_seq_s": (2e-4, None),
+    "step_overlap": (0.0, "share of the shorter of a step's fixed and compute parts that "
+                          "runs under the longer (0..1)"),
+    "contention": (0.0, "how much longer a step takes per other busy engine of its host"),
+    "engines_per_host": (0, "engines that share a host, for --contention (0: all of them)"),
+    "router_s": (0.0, "mean of the router's own time per request before it chooses"),
+}
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from rayattn.bench.report import markdown, plot_sim
     from rayattn.bench.simulate import (
@@ -432,11 +447,8 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model = EngineModel.load(a.engine_model)
         a.block_size = model.block_size
     else:
-        model = EngineModel(a.prefill_s_per_token, a.ctx_s_per_token, a.itl_base_s,
-                            a.itl_per_seq_s, a.capacity_blocks, a.block_size,
-                            router_s=a.router_s, step_overlap=a.step_overlap,
-                            contention=a.contention,
-                            engines_per_host=a.engines_per_host)
+        model = EngineModel(capacity_blocks=a.capacity_blocks, block_size=a.block_size,
+                            **{name: getattr(a, name) for name in _ENGINE_FLAGS})
     if a.workload == "shared_prefix":
         per_group = max(1, a.requests // a.groups)
         trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,
@@ -552,21 +564,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--rate", type=float, default=200.0, help="arrivals per second")
     s.add_argument("--block-size", type=int, default=16)
     s.add_argument("--capacity-blocks", type=int, default=8192)
-    # MI300X-class defaults (per replica of TP8): see docs/benchmarks.md
-    s.add_argument("--prefill-s-per-token", type=float, default=2e-5)
-    s.add_argument("--ctx-s-per-token", type=float, default=2e-7)
-    s.add_argument("--itl-base-s", type=float, default=0.02)
-    s.add_argument("--itl-per-seq-s", type=float, default=2e-4)
-    s.add_argument("--step-overlap", type=float, default=0.0,
-                   help="share of the shorter of a step's fixed and compute parts that "
-                        "runs under the longer (0..1)")
-    s.add_argument("--contention", type=float, default=0.0,
-                   help="how much longer a step takes per other busy engine (engines that "
-                        "share a host)")
-    s.add_argument("--engines-per-host", type=int, default=0,
-                   help="engines that share a host, for --contention (0: all of them)")
-    s.add_argument("--router-s", type=float, default=0.0,
-                   help="mean of the router's own time per request before it chooses")
+    for name, (default, text) in _ENGINE_FLAGS.items():
+        s.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
+                       help=text)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="bench/results/sim")
     s.set_defaults(fn=cmd_simulate)
