@@ -447,8 +447,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         model = EngineModel.load(a.engine_model)
         a.block_size = model.block_size
     else:
-        model = EngineModel(capacity_blocks=a.capacity_blocks, block_size=a.block_size,
-                            **{name: getattr(a, name) for name in _ENGINE_FLAGS})
+        try:
+            model = EngineModel(capacity_blocks=a.capacity_blocks, block_size=a.block_size,
+                                **{name: getattr(a, name) for name in _ENGINE_FLAGS})
+        except ValueError as e:
+            raise SystemExit(f"rayattn simulate: {e}") from None
     if a.workload == "shared_prefix":
         per_group = max(1, a.requests // a.groups)
         trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,

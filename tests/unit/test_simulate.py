@@ -238,3 +238,20 @@ def test_calibration_finds_engines_that_share_a_host():
     again = simulate(tr, 2, "affinity", fitted, index="events", concurrency=4)
     assert again.engine_ttft_p50_s == pytest.approx(real.engine_ttft_p50_s, rel=0.15)
     assert again.sim_wall_s == pytest.approx(real.sim_wall_s, rel=0.15)
+
+
+def test_the_simulate_command_takes_the_engine_flags(tmp_path):
+    import json
+
+    from rayattn.cli import main
+
+    args = ["simulate", "--replicas", "2", "--requests", "40", "--workload", "multi_turn",
+            "--groups", "2", "--rate", "20", "--policies", "affinity", "--index", "events",
+            "--out", str(tmp_path)]
+    assert main(args + ["--contention", "0.3", "--engines-per-host", "2",
+                        "--router-s", "0.004"]) == 0
+    saved = json.loads((tmp_path / "sim_multi_turn_2r.json").read_text())
+    assert saved["args"]["contention"] == 0.3 and saved["args"]["engines_per_host"] == 2
+    assert saved["rows"][0]["requests"] == 40
+    with pytest.raises(SystemExit, match="step_overlap"):
+        main(args + ["--step-overlap", "2"])
