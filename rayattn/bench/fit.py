@@ -133,7 +133,7 @@ def case_of(results: list[Result], trace: list[SimRequest], wall_s: float,
     prefill = sorted(r.engine_prefill_s or 0.0 for r in ok)
     itl = sorted(r.engine_itl_s for r in ok if r.engine_itl_s)
     return Case(trace, concurrency, replicas, percentile(ttft, 0.5), percentile(ttft, 0.9),
-                percentile(prefill, 0.5), percentile(itl, 0.5), wall_s)
+                percentile(prefill, 0.5), percentile(itl, 0.5), wall_s, think_s)
 
 
 _CALIBRATED = ("prefill_s_per_token", "itl_base_s", "itl_per_seq_s", "ctx_s_per_token",
@@ -164,7 +164,8 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
     where the run has chance in it (the router's time decides the order of
     near-simultaneous arrivals; think times). Searched from `start` and from a start with
     engines that share a host and slow each other down (`contention`); the better fit is
-    kept."""
+    kept. The runs' engines are taken to share one host, as they do in every setup
+    calibrated here (the local CPU deployment, two engines on one GPU)."""
     random_runs = start.router_s > 0 or any(c.think_s > 0 for c in cases)
     sim_seeds = range(seeds if random_runs else 1)
 
@@ -199,8 +200,8 @@ def calibrate(cases: list[Case], start: EngineModel, rounds: int = 6,
             step = math.sqrt(step)
         return best_loss, best
 
+    start = replace(start, engines_per_host=max(c.replicas for c in cases))
     slowed = 1 + _SHARED_HOST_CONTENTION
     shared = replace(start, contention=_SHARED_HOST_CONTENTION,
-                     engines_per_host=max(c.replicas for c in cases),
                      **{name: getattr(start, name) / slowed for name in _TIMES})
     return min((descend(start), descend(shared)), key=lambda fit: fit[0])[1]

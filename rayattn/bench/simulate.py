@@ -154,7 +154,9 @@ class SimResult:
     """The first router's cost model at the end (affinity refits it from simulated engine
     timings, as it does from real ones)."""
     engine_ttft_p50_s: float = 0.0
-    """Sent to the engine replica → first token (what the real engine replica measures)."""
+    """Sent to the engine replica → first token: its intake, vLLM's queue and prefill (the
+    real engine replica's own measure starts when vLLM's rendering does, so a wait for the
+    replica's event loop before that is in this one and not in the real one)."""
     engine_ttft_p90_s: float = 0.0
 
     @property

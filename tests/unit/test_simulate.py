@@ -205,9 +205,16 @@ def test_contention_counts_only_the_engines_of_ones_host():
                         step_overlap=1.0, contention=0.5, engines_per_host=2)
     burst = [SimRequest(0.0, [k], 320, [k, 100 + k], 2, f"s{k}") for k in (1, 2, 3)]
     res = simulate(burst[:2], 4, "round_robin", model)  # engine-0 and engine-1: one host
-    assert res.ttft_p50_s == pytest.approx(0.48)
+    assert res.ttft_p50_s == pytest.approx(0.48) and res.ttft_p90_s == pytest.approx(0.48)
     apart = simulate(burst[:2], 4, "round_robin", replace(model, engines_per_host=1))
-    assert apart.ttft_p50_s == pytest.approx(0.32)
+    assert apart.ttft_p90_s == pytest.approx(0.32)
+    # A short request on engine-0, done long before two more reach engine-1 and engine-2:
+    # those two are on different hosts (engine-1's partner is idle), so neither slows.
+    later = [SimRequest(0.0, [9], 32, [9, 10], 1, "short")] + [
+        SimRequest(1.0, [k], 320, [k, 100 + k], 2, f"s{k}") for k in (1, 2)]
+    res = simulate(later, 4, "round_robin", model)
+    assert res.per_replica == {"engine-0": 1, "engine-1": 1, "engine-2": 1}
+    assert res.ttft_p90_s == pytest.approx(0.32)
 
 
 def test_engine_model_refuses_values_out_of_range():
