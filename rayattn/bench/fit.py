@@ -79,9 +79,10 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
     hops = [r.ttft_s - r.engine_ttft_s - (r.router_s or 0.0)
             for r in ok if r.engine_ttft_s is not None]
     router_times = [r.router_s for r in ok if r.router_s is not None]
-    # Engine arrival → vLLM's queue: the engine replica's own rendering and tokenizing. On
-    # CPU it shares a core with the engine's compute and stretches while a long prefill
-    # runs: start from the lower quartile (uncontended); calibration adjusts it.
+    # Engine arrival → vLLM's queue: the engine replica's own intake (and its rendering,
+    # where the router's could not be served as it is). On CPU it shares a core with the
+    # engine's compute and stretches while a long prefill runs: start from the lower
+    # quartile (uncontended); calibration adjusts it.
     front = sorted(r.engine_ttft_s - (r.engine_queue_s or 0.0) - r.engine_prefill_s
                    for r in ok if r.engine_ttft_s is not None)
     return replace(base, prefill_s_per_token=prefill or base.prefill_s_per_token,

@@ -434,6 +434,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         return percentile(xs, p, empty=0.0)
 
     all_t = sorted(ttfts.values())
+    engine_ttfts.sort()
     later = sorted(v for i, v in ttfts.items() if trace[i].turn > 0)
     n = len(ttfts)  # requests that got their first token (all of them, as it runs to the end)
     areas = list(inflight_area.values())
@@ -447,7 +448,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                      sum(sum(c.regret_tokens.values()) for c in cores),
                      sum(sum(c.session_moves.values()) for c in cores),
                      _p(sorted(prefills), 0.5), _p(sorted(itls), 0.5), _learned(cores[0]),
-                     _p(sorted(engine_ttfts), 0.5), _p(sorted(engine_ttfts), 0.9))
+                     _p(engine_ttfts, 0.5), _p(engine_ttfts, 0.9))
 
 
 def _learned(core: RoutingCore) -> dict[str, float]:
