@@ -82,6 +82,16 @@ class EngineDown(RuntimeError):
 
 
 @dataclass
+class DirectAddress:
+    """Where a router reaches an engine replica without Serve (router.engine_transport:
+    direct; engine/direct_server.py)."""
+
+    url: str
+    token: str = field(repr=False)
+    """The bearer token the endpoint admits: never logged (EngineInfo's repr shows none)."""
+
+
+@dataclass
 class EngineInfo:
     """An engine replica's answer to the router's probe: who it is, what its KV cache is
     like, and its load right now."""
@@ -122,6 +132,8 @@ class EngineInfo:
     """All requests in the engine now, per sending router."""
     inflight_stamp: tuple[int, int] | None = None
     """(pid, change counter) of the in-flight counts, here and in `ranks`."""
+    direct: DirectAddress | None = None
+    """The replica's own endpoint for the direct transport (None: it has none)."""
 
     @property
     def dp_ranks(self) -> int:

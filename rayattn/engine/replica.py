@@ -20,8 +20,11 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine.kv_mirror import KVMirror
+from rayattn.engine import wire
+from rayattn.engine.direct_server import DirectServer
+from rayattn.engine.kv_mirror import KVMirror, node_ip
 from rayattn.engine.protocol import (
+    DirectAddress,
     EngineDown,
     EngineInfo,
     Misrouted,
@@ -115,6 +118,7 @@ class EngineReplica:
         self._inflight_seq = 0
         self._openai_layer: Any = None
         self._openai_lock = asyncio.Lock()
+        self._direct: DirectServer | None = None
         self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                                exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._facts)
@@ -128,6 +132,7 @@ class EngineReplica:
         self._pinned(target)
         await self.engine.check_health()
         await self._openai()
+        direct = await self._direct_address()
         if self.metrics is not None:
             # Re-set on every probe: the gauge is only exported once this process's metrics
             # agent is up, which can be after __init__.
@@ -153,7 +158,7 @@ class EngineReplica:
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
-                          **report)
+                          direct=direct, **report)
 
     def _inflight_of(self, rank: int | None) -> dict[str, int]:
         """In-flight requests per sending router: those pinned to DP rank `rank`, or (None)
@@ -171,9 +176,38 @@ class EngineReplica:
         return {"inflight_by_origin": self._inflight_of(rank),
                 "inflight_stamp": (os.getpid(), self._inflight_seq)}
 
-    def __del__(self) -> None:
+    async def _direct_address(self) -> DirectAddress | None:
+        """This replica's endpoint for the direct transport, started on the first probe
+        (on the replica's own event loop, where the engine's output handler runs)."""
+        if self._direct is None:
+            server = DirectServer(self.serve, _classify)
+            try:
+                await server.start(node_ip())
+            except OSError as e:  # no endpoint: routers keep to Serve's channel
+                log.warning("direct endpoint not started: %s", e)
+                return None
+            self._direct = server
+        return self._direct.address
+
+    def __del__(self) -> Any:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
-        # shutdown): stop the engine core now rather than leaving it to the watcher.
+        # shutdown), on the replica's event loop, and awaits a coroutine it returns: calls
+        # that came over the direct transport are not in the count Serve drained first, so
+        # they finish before the engine stops. Garbage collection ignores the return value.
+        direct = getattr(self, "_direct", None)
+        if direct is not None:
+            direct.draining = True
+            if direct.inflight and _loop_running():
+                return self._drain_then_close(direct)
+        self._close()
+        return None
+
+    async def _drain_then_close(self, direct: DirectServer) -> None:
+        await direct.drain(DRAIN_S)
+        self._close()
+
+    def _close(self) -> None:
+        """Stop the engine core now rather than leaving it to the watcher."""
         for mirror in reversed(getattr(self, "kv_mirrors", [])):
             mirror.close()
         if getattr(self, "tracing", None) is not None:
@@ -280,6 +314,30 @@ class EngineReplica:
             self._inflight_seq += 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]
+
+
+DRAIN_S = 60.0
+"""At most this long for direct calls to finish at shutdown (Serve's controller kills the
+replica after its graceful_shutdown_timeout_s anyway)."""
+
+
+def _loop_running() -> bool:
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return False
+    return True
+
+
+def _classify(e: BaseException) -> wire.Raised:
+    """An exception of this replica's `serve` as the direct transport carries it."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        crashed: tuple[type[BaseException], ...] = (EngineDeadError,)
+    except ImportError:  # pragma: no cover - vLLM layout differs
+        crashed = ()
+    return wire.raised_of(e, compat.client_error_types(), (Misrouted, EngineDown), crashed)
 
 
 def _serve_identity() -> tuple[str, int]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rayattn.config.schema import RayAttnConfig, RouterConfig
+from rayattn.engine import wire
 from rayattn.engine.protocol import EngineInfo, OpenAIRequest, Reply
 from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import CoreSnapshot, Finished, RoutingCore
@@ -34,6 +35,7 @@ from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.routing.targets import replica_of, split, targets
 from rayattn.server.background import detached
+from rayattn.server.direct_client import DirectClient
 from rayattn.server.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
 from rayattn.server.kv_feeds import KVFeeds
 from rayattn.server.loop_watch import LoopWatch
@@ -150,11 +152,13 @@ class Dispatcher:
         self._kv_seq = itertools.count()
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
+        self._direct = DirectClient()
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.gates = gates or Gates.of(cfg.router)
         self.admission, self.rates = self.gates.admission, self.gates.rates
         self.fair, self.stalls = self.gates.fair, self.gates.stalls
-        self.counts: dict[str, float] = {"sent": 0, "succeeded": 0, "retried": 0, "failed": 0,
+        self.counts: dict[str, float] = {"sent": 0, "sent_direct": 0, "succeeded": 0,
+                                         "retried": 0, "failed": 0,
                                          "engine_crashes": 0, "quarantined": 0,
                                          "kv_held": 0, "kv_held_s": 0.0}
         self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
@@ -543,18 +547,15 @@ class Dispatcher:
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica, req.engine_rank = split(d.replica)
         req.origin = self.core.load.origin
-        gen = None
+        chunks: AsyncIterator[Reply] | None = None
         self.fair.started(tenant)
         try:
             self.core.dispatched(d, route)
             sent, sent_mono = time.time(), time.monotonic()
-            try:
-                gen = self._stream_handle(replica).serve.remote(req)
-            except Exception as e:
-                raise EngineCallError(e) from e
+            chunks = self._engine_call(replica, req)
             while True:
                 try:
-                    chunk = await gen.__anext__()
+                    chunk = await chunks.__anext__()
                 except StopAsyncIteration:
                     break
                 except Exception as e:
@@ -584,12 +585,33 @@ class Dispatcher:
         finally:
             # Runs on success, failure and cancellation alike: the engine request is
             # cancelled (aborted in vLLM) and the replica's load released.
-            if gen is not None:
-                gen.cancel()
+            if chunks is not None:
+                await chunks.aclose()  # type: ignore[attr-defined]
             self.core.ended(d)
             self.fair.ended(tenant)
             if self._kv_waiters:
                 self._kv_wake()
+
+    async def _engine_call(self, replica: str, req: OpenAIRequest) -> AsyncIterator[Reply]:
+        """One call's replies, over the direct transport where it is chosen and the replica
+        offers it, else over Serve's channel. Closing the generator hangs up either way."""
+        if self.cfg.router.engine_transport == "direct":
+            r = self.fleet.members.get(replica)
+            address = r.info.direct if r is not None and r.info is not None else None
+            body = wire.encode_request(req) if address is not None else None
+            if address is not None and body is not None:
+                self.counts["sent_direct"] += 1
+                async with contextlib.aclosing(self._direct.stream(address, replica, body)) \
+                        as replies:
+                    async for item in replies:
+                        yield item
+                return
+        gen = self._stream_handle(replica).serve.remote(req)
+        try:
+            async for item in gen:
+                yield item
+        finally:
+            gen.cancel()
 
     def _stream_handle(self, replica: str) -> PinnedHandle:
         """The engine deployment's streaming handle, aimed at `replica`; built once per

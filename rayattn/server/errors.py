@@ -5,6 +5,8 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from rayattn.engine import wire
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           408: "timeout", 409: "invalid_request_error",
           413: "invalid_request_error", 422: "invalid_request_error",
@@ -102,6 +104,12 @@ def engine_raised(e: BaseException) -> APIError:
 
     # Ray's RayTaskError carries the engine's own exception as `cause`.
     cause = getattr(e, "cause", None) or e
+    if isinstance(cause, wire.EngineRaised):  # the direct transport's account of it
+        r = cause.raised
+        if r.client_error:
+            return APIError(400, f"engine rejected the request: {r.message[:500]}",
+                            param=r.parameter)
+        return APIError(500, f"engine error: {r.type}")
     if isinstance(cause, client_error_types()):
         return APIError(400, f"engine rejected the request: {str(cause)[:500]}",
                         param=getattr(cause, "parameter", None))

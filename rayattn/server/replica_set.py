@@ -23,8 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import aiohttp
 from ray import exceptions as ray_exc
 
+from rayattn.engine import wire
 from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted
 from rayattn.server.background import detached
 from rayattn.server.pinning import Membership, PinnedHandle
@@ -50,6 +52,12 @@ Failure = Literal["request", "never_ran", "replica_died", "engine_crashed"]
 
 
 def failure(e: BaseException) -> Failure:
+    # The direct transport: the engine's exception by its kind, or the connection lost.
+    if isinstance(e, wire.EngineRaised):
+        return e.raised.failure
+    if isinstance(e, (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError,
+                      wire.StreamCut)):
+        return "replica_died"
     cause = getattr(e, "cause", None)
     # Raised by a replica for a call meant for one that has just left, or by one whose
     # engine was dead before the call: route it again.

@@ -242,6 +242,44 @@ def test_clients_reach_the_router_through_haproxy(ray_cluster, server):
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
 
 
+def _transport(server: str, name: str) -> None:
+    r = httpx.post(f"{server}/admin/reset", timeout=60,
+                   json={"policy": "affinity", "settings": {"engine_transport": name}})
+    assert r.status_code == 200, r.text
+
+
+def test_direct_transport_serves_streams_errors_and_hang_ups(server, client):
+    """router.engine_transport: direct: the router POSTs to each engine replica's own
+    endpoint (engine/direct_server.py). Answers, streams and errors are what Serve's
+    channel gives; a client that hangs up aborts the engine request."""
+    counts = lambda: httpx.get(f"{server}/health").json()["counts"]  # noqa: E731
+    _transport(server, "direct")
+    try:
+        before = counts()
+        msgs = [{"role": "user", "content": "What is the capital of France?"}]
+        r = client.chat.completions.create(model=MODEL, messages=msgs, temperature=0,
+                                           max_tokens=12)
+        assert "Paris" in r.choices[0].message.content
+        assert r.model_extra["rayattn"]["rendered_by_router"] is True
+        chunks = list(client.completions.create(model=MODEL, prompt="Once upon a time",
+                                                max_tokens=5, stream=True,
+                                                extra_body={"ignore_eos": True},
+                                                stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 5
+        # An engine-side rejection keeps its 400 and names the field (vLLM's own check:
+        # the router does not know the model's vocabulary).
+        bad = _post(server, {"model": MODEL, "messages": _msgs(),
+                             "logit_bias": {"999999": 1}})
+        assert bad.status_code == 400, bad.text
+        after = counts()
+        assert after["sent_direct"] - before["sent_direct"] >= 3, (before, after)
+        assert after["retried"] == before["retried"] and after["failed"] == before["failed"]
+        test_disconnect_mid_stream_aborts_engine_request(server)
+        assert counts()["sent_direct"] > after["sent_direct"]
+    finally:
+        _transport(server, "grpc")
+
+
 def test_disconnect_mid_stream_aborts_engine_request(server):
     body = {"model": MODEL, "prompt": "Write a very long story about a dragon.",
             "max_tokens": 1500, "ignore_eos": True, "stream": True}
