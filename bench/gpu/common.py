@@ -90,7 +90,8 @@ class RayattnApp:
         import ray
         from ray import serve
 
-        from rayattn.app import build_app
+        from rayattn.app import deploy_config
+        from rayattn.config.loader import parse_args as parse
 
         self.metrics_port = free_port()
         t0 = time.time()
@@ -99,8 +100,15 @@ class RayattnApp:
                  _system_config={"metrics_report_interval_ms": 1000})
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         self.url = f"http://127.0.0.1:{port}"
-        serve.run(build_app(args), name="rayattn", route_prefix="/", blocking=False)
+        # Declaratively, as `serve run <file>` does: only that path lets a router setting
+        # change reconfigure the running routers without restarting the engines.
+        self.serve_config = {"applications": [{
+            "name": "rayattn", "route_prefix": "/", "import_path": "rayattn.app:build_app",
+            "args": args}]}
+        deploy_config(self.serve_config)
         self.replicas = args.get("parallelism", {}).get("data_parallel_size", 1)
+        cfg = parse(args)
+        self.routers, self._router = cfg.serve.ingress_replicas, cfg.router.model_dump(mode="json")
         self.t0 = t0
 
     def wait(self, timeout: float) -> float:
@@ -113,6 +121,14 @@ class RayattnApp:
             return len(body.get("replicas_up", [])) == self.replicas
         wait_http(f"{self.url}/health", timeout, ok)
         return time.time() - self.t0
+
+    def set_router(self, settings: dict) -> None:
+        """Router settings on every router replica (their Serve user_config: /admin/reset
+        reaches one router of several, and refuses to change settings there)."""
+        from rayattn.bench.cli import deploy_router
+
+        # The whole user_config: Serve's replaces the one the app was built with.
+        deploy_router(self.serve_config, self.routers, {**self._router, **settings})
 
     def engine_infos(self) -> list[dict]:
         """EngineReplica.info() of every replica up, each called through the engine

@@ -317,9 +317,13 @@ def main() -> int:
             try:
                 if stack == "rayattn":
                     name_, settings = variant(pol)
+                    settings = {**base_settings, **settings}
+                    if app.routers > 1 and settings:
+                        # Several routers: the settings reach each through user_config;
+                        # the reset then finds them set and only empties the caches.
+                        app.set_router({"policy": name_, **settings})
                     r = httpx.post(f"{app.url}/admin/reset", json={
-                        "policy": name_, "settings": {**base_settings, **settings}},
-                        timeout=120)
+                        "policy": name_, "settings": settings}, timeout=120)
                     r.raise_for_status()
                     url, before = app.url, None
                 else:

@@ -175,7 +175,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
                 # config (user_config reaches all of them); the reset then only empties the
                 # engines' caches, which every router's events index sees.
                 policy, settings = variant(pol)
-                deploy_router(a.config, n, {"policy": policy, **base, **settings})
+                deploy_router(yaml.safe_load(Path(a.config).read_text()), n,
+                              {"policy": policy, **base, **settings})
                 rayattn_policy(pol)
 
             run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
@@ -246,18 +247,19 @@ def _engines_up(url: str) -> list[str]:
     return httpx.get(f"{url}/health", timeout=10).json()["replicas_up"]
 
 
-def deploy_router(config: str, replicas: int, settings: dict) -> None:
-    """Redeploy the local app's router with `replicas` replicas and these settings (a
-    lightweight Serve update: engines keep running) and wait until all of them serve."""
+def deploy_router(serve_config: dict, replicas: int, settings: dict) -> None:
+    """Redeploy the app's router (the first application of a Serve config, deployed from
+    it) with `replicas` replicas and these settings (a lightweight Serve update: engines
+    keep running) and wait until all of them serve."""
+    import copy
     import time
 
-    import yaml
     from ray import serve
 
     from rayattn.app import deploy_config
     from rayattn.config.loader import ROUTER_DEPLOYMENT
 
-    cfg = yaml.safe_load(Path(config).read_text())
+    cfg = copy.deepcopy(serve_config)
     app = cfg["applications"][0]
     deps = app.setdefault("deployments", [])
     router = next((d for d in deps if d["name"] == ROUTER_DEPLOYMENT), None)
