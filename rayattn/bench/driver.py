@@ -7,6 +7,7 @@ import asyncio
 import json
 import random
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -80,7 +81,7 @@ async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[str]:
 
 
 async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
-               conv: Conversation, turn: int, t_origin: float) -> Result:
+               conv: Conversation, turn: int, t_origin: float, run: str = "") -> Result:
     # return_token_ids: the oracle needs the tokens the engine generated and cached, which
     # a random-weight model's text does not give back when re-tokenized.
     body = {"model": model, "messages": messages, "max_tokens": conv.max_tokens,
@@ -90,7 +91,7 @@ async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: li
     ttft, first_at, text, usage, ext, status = None, None, [], {}, {}, 0
     ids: list[int] | None = None
     async with client.post(f"{url}/v1/chat/completions", json=body,
-                           headers={"x-session-id": conv.session}) as r:
+                           headers={"x-session-id": conv.session + run}) as r:
         status = r.status
         async for line in _lines(r.content):
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -154,6 +155,9 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
     t_origin = time.monotonic()
     starts, t = [], 0.0
     rng = random.Random(seed)
+    # Each run's own session ids: routers remember where a conversation's last turn went, and
+    # one run's placements would steer the next (with several routers, a reset reaches one).
+    run = f".{uuid.uuid4().hex[:8]}"
     for _ in workload.conversations:
         starts.append(t)
         if rate:
@@ -170,7 +174,7 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
             for t, user in enumerate(c.turns):
                 messages.append({"role": "user", "content": user})
                 res = await _one(client, urls[t % len(urls)], model, list(messages), c, t,
-                                 t_origin)
+                                 t_origin, run)
                 res.prompt_ids = None
                 results.append(res)
                 if progress:

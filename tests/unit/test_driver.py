@@ -21,11 +21,14 @@ class Server:
     def __init__(self) -> None:
         self.inflight = self.max_inflight = 0
         self.seen: list[tuple[str, list[dict]]] = []
+        self.headers: list[str] = []
 
     async def chat(self, req: web.Request) -> web.StreamResponse:
         arrived = time.time()
         body = await req.json()
-        session = req.headers["x-session-id"]
+        raw = req.headers["x-session-id"]
+        session = raw.rsplit(".", 1)[0]  # the run's tag off
+        self.headers.append(raw)
         self.seen.append((session, body["messages"]))
         if session == "refused":
             return web.json_response({"error": {"message": "bad", "code": 400}}, status=400)
@@ -99,6 +102,22 @@ async def test_reads_streams_and_carries_each_answer_into_the_next_turn() -> Non
     assert [m["content"] for m in msgs] == ["doc 4", "first", "c4:0 end", "second",
                                              "c4:1 end", "third"]
     assert server.max_inflight <= 3
+
+
+async def test_each_run_sends_its_own_session_ids() -> None:
+    """Routers remember where a conversation's last turn went: a run that reused the last
+    run's ids would be steered by that run's placements."""
+    server = Server()
+    runner, url = await _serve(server)
+    try:
+        convs = [Conversation("doc", ["first", "second"], "c0", 4)]
+        for _ in range(2):
+            await run_workload(url, "m", Workload("w", convs), concurrency=1)
+    finally:
+        await runner.cleanup()
+    first, second = server.headers[:2], server.headers[2:]
+    assert len(set(first)) == 1 and len(set(second)) == 1  # one id for a conversation's turns
+    assert first[0] != second[0] and first[0].startswith("c0.")
 
 
 async def test_every_conversation_has_its_request_in_flight_at_once() -> None:
