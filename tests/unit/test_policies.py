@@ -393,3 +393,35 @@ def test_the_ray_prefix_text_tree_stays_bounded_and_keeps_what_is_used():
             size += len(label)
             stack.append(child)
     assert size == tree.chars
+
+
+def test_several_routers_fill_engines_sharing_a_gpu_evenly_on_stale_reports():
+    """Four routers place new conversations at once; what each hears of the others' load is
+    one engine's report fresh and the other's late (reports ride on the first chunk of
+    requests that started at different times). Each router balances its own placements, so
+    the sum over routers stays even whatever the reports say."""
+    routers = []
+    for k in range(4):
+        idx, load = PrefixIndex(), LoadTracker(origin=f"o{k}")
+        for r in ("r0", "r1"):
+            idx.add_replica(r, 10_000)
+            load.device[r] = "gpu0"
+        routers.append((policies.build("affinity", PolicyContext(idx, load, BS, seed=0),
+                                       RouterConfig().model_dump()), load))
+    truth = {"r0": {f"o{k}": 0 for k in range(4)}, "r1": {f"o{k}": 0 for k in range(4)}}
+    late = dict(truth["r1"])
+    for i in range(128):
+        k = i % 4
+        pol, load = routers[k]
+        r = req([50_000 * i + b for b in range(100)])
+        d = pol.choose(r, ["r0", "r1"])
+        pol.on_dispatch(d.replica, r)
+        load.acquire(d.replica, r.prompt_tokens)
+        truth[d.replica][f"o{k}"] += 1
+        if i % 16 == 15:
+            late = dict(truth["r1"])
+        for _, other in routers:
+            other.reported("r0", truth["r0"])
+            other.reported("r1", late)
+    split = {r: sum(n.values()) for r, n in truth.items()}
+    assert abs(split["r0"] - split["r1"]) <= 4, split
