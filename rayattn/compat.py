@@ -349,6 +349,19 @@ def _current_placement_group() -> str | None:
 
 
 @functools.cache
+def serve_autoscales_replica() -> bool:
+    """Whether Serve may change this replica's deployment's replica count under load (an
+    autoscaling_config with max_replicas above min_replicas), as the replica's deployment
+    config says now (Ray keeps it in the replica context; a live change reaches it)."""
+    try:
+        from ray import serve
+
+        auto = serve.get_replica_context()._deployment_config.autoscaling_config
+    except Exception:  # not in a Serve replica, or Ray's layout differs
+        return False
+    return auto is not None and auto.max_replicas > auto.min_replicas
+
+
 def client_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions vLLM raises about a request itself (the client's 4xx, never retried).
     vLLM 0.32 has its own VLLMClientError tree (not a ValueError); older releases raise

@@ -144,6 +144,9 @@ class RayattnApp:
 
         # EngineInfo dataclasses, as the JSON-ready dicts the reports keep.
         infos = [asdict(h.info.remote(n).result(timeout_s=120)) for n in names]
+        for info in infos:  # the direct endpoint's bearer token stays out of reports
+            if info.get("direct"):
+                info["direct"].pop("token", None)
         return sorted(infos, key=lambda i: i["rank"])
 
     def scrape(self) -> str:

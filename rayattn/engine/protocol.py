@@ -134,6 +134,9 @@ class EngineInfo:
     """(pid, change counter) of the in-flight counts, here and in `ranks`."""
     direct: DirectAddress | None = None
     """The replica's own endpoint for the direct transport (None: it has none)."""
+    autoscaled: bool = False
+    """Serve may change the engine deployment's replica count under load: its autoscaler
+    counts only the calls Serve carries, so routers keep to Serve's channel."""
 
     @property
     def dp_ranks(self) -> int:

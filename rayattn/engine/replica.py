@@ -14,7 +14,7 @@ import logging
 import os
 import time
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
 from rayattn import compat
@@ -158,7 +158,8 @@ class EngineReplica:
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
-                          direct=direct, **report)
+                          direct=direct, autoscaled=compat.serve_autoscales_replica(),
+                          **report)
 
     def _inflight_of(self, rank: int | None) -> dict[str, int]:
         """In-flight requests per sending router: those pinned to DP rank `rank`, or (None)
@@ -180,20 +181,16 @@ class EngineReplica:
         """This replica's endpoint for the direct transport, started on the first probe
         (on the replica's own event loop, where the engine's output handler runs)."""
         if self._direct is None:
-            server = DirectServer(self.serve, _classify)
-            try:
-                await server.start(node_ip())
-            except OSError as e:  # no endpoint: routers keep to Serve's channel
-                log.warning("direct endpoint not started: %s", e)
-                return None
-            self._direct = server
-        return self._direct.address
+            self._direct = DirectServer(self.serve, _classify)
+        return await self._direct.address(node_ip())
 
-    def __del__(self) -> Any:
+    def __del__(self) -> Coroutine[Any, Any, None] | None:
         # Serve calls this on graceful replica shutdown (redeploy, scale-down, serve
-        # shutdown), on the replica's event loop, and awaits a coroutine it returns: calls
-        # that came over the direct transport are not in the count Serve drained first, so
-        # they finish before the engine stops. Garbage collection ignores the return value.
+        # shutdown), on the replica's event loop, and awaits a coroutine it returns
+        # (ray/serve/_private/replica.py, `_call_func_or_gen`): calls that came over the
+        # direct transport are not in the count Serve drained first, so they finish before
+        # the engine stops, within the same graceful_shutdown_timeout_s after which Serve's
+        # controller kills the replica. Garbage collection ignores the return value.
         direct = getattr(self, "_direct", None)
         if direct is not None:
             direct.draining = True
@@ -203,8 +200,10 @@ class EngineReplica:
         return None
 
     async def _drain_then_close(self, direct: DirectServer) -> None:
-        await direct.drain(DRAIN_S)
-        self._close()
+        try:
+            await direct.drain(self.cfg.serve.graceful_shutdown_timeout_s)
+        finally:
+            self._close()
 
     def _close(self) -> None:
         """Stop the engine core now rather than leaving it to the watcher."""
@@ -314,11 +313,6 @@ class EngineReplica:
             self._inflight_seq += 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]
-
-
-DRAIN_S = 60.0
-"""At most this long for direct calls to finish at shutdown (Serve's controller kills the
-replica after its graceful_shutdown_timeout_s anyway)."""
 
 
 def _loop_running() -> bool:

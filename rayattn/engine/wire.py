@@ -25,17 +25,17 @@ _REPLY, _RAISED, _END = b"R", b"E", b"Z"
 
 AUTH_HEADER = "authorization"
 
-Failure = Literal["request", "never_ran", "engine_crashed"]
-"""What an exception the engine raised says, as the router's retry loop reads it
-(server/replica_set.py `failure`); a replica that died is told by the connection, not a
-frame."""
+RaisedKind = Literal["request", "never_ran", "engine_crashed"]
+"""What an exception the engine raised says, as the router's retry loop reads it (these are
+three of server/replica_set.py's `Failure`s; a replica that died is told by the connection,
+not a frame)."""
 
 
 @dataclass
 class Raised:
     """An exception the engine replica raised, as it crosses the wire."""
 
-    failure: Failure
+    failure: RaisedKind
     type: str
     message: str
     client_error: bool
@@ -59,15 +59,19 @@ class StreamCut(ConnectionError):
 
 def encode_request(req: OpenAIRequest) -> bytes | None:
     """The request as msgpack, or None where msgpack cannot carry it (an integer beyond 64
-    bits in the client's body): such a request takes Serve's channel instead."""
+    bits, a lone surrogate in a string of the client's body): such a request takes Serve's
+    channel instead."""
     try:
         return msgspec.msgpack.encode(req)
-    except (OverflowError, TypeError):
+    except (OverflowError, TypeError, ValueError):
         return None
 
 
+_request = msgspec.msgpack.Decoder(OpenAIRequest)
+
+
 def decode_request(data: bytes) -> OpenAIRequest:
-    return msgspec.msgpack.decode(data, type=OpenAIRequest)
+    return _request.decode(data)
 
 
 def reply_frame(item: Reply) -> bytes:
@@ -88,6 +92,8 @@ def _frame(kind: bytes, payload: bytes) -> bytes:
 class _Reader(Protocol):
     async def readexactly(self, n: int) -> bytes: ...
 
+    async def read(self, n: int = -1) -> bytes: ...
+
 
 _reply = msgspec.msgpack.Decoder(Reply)
 _raised = msgspec.msgpack.Decoder(Raised)
@@ -95,18 +101,35 @@ _raised = msgspec.msgpack.Decoder(Raised)
 
 async def replies(reader: _Reader) -> AsyncIterator[Reply]:
     """The replies of one answer, in order; EngineRaised for an exception the engine raised,
-    StreamCut where the answer ends before its end frame."""
+    StreamCut where the answer ends before its end frame. A final reply is handed on once
+    the frame after it is read: the caller stops at a final reply, and a connection whose
+    answer was read to its end goes back to the pool (one released unread is closed); a
+    cut after it loses nothing."""
+    held: Reply | None = None
     while True:
         try:
             kind, n = _HEADER.unpack(await reader.readexactly(_HEADER.size))
             payload = await reader.readexactly(n) if n else b""
         except asyncio.IncompleteReadError as e:
+            if held is not None:
+                yield held
+                return
             raise StreamCut("the engine replica's answer ended before its end") from e
         if kind == _END:
+            await reader.read()  # the body's own end: the connection is reusable now
+            if held is not None:
+                yield held
             return
+        if held is not None:
+            yield held
+            held = None
         if kind == _RAISED:
             raise EngineRaised(_raised.decode(payload))
-        yield _reply.decode(payload)
+        item = _reply.decode(payload)
+        if item.final:
+            held = item
+        else:
+            yield item
 
 
 def raised_of(e: BaseException, client_errors: tuple[type[BaseException], ...],
@@ -114,7 +137,7 @@ def raised_of(e: BaseException, client_errors: tuple[type[BaseException], ...],
               crashed: tuple[type[BaseException], ...]) -> Raised:
     """How the engine replica sends an exception of its own: the classes that decide the
     router's answer (a 400, a retry elsewhere, a quarantine) become a kind."""
-    kind: Failure = ("never_ran" if isinstance(e, never_ran) else
+    kind: RaisedKind = ("never_ran" if isinstance(e, never_ran) else
                      "engine_crashed" if isinstance(e, crashed) else "request")
     param: Any = getattr(e, "parameter", None)
     return Raised(kind, type(e).__name__, str(e)[:2000], isinstance(e, client_errors),

@@ -1,6 +1,7 @@
-"""The router's end of the direct transport (router.engine_transport: direct): one keep-alive
-connection pool per router process, a POST per call to the chosen replica's own endpoint
-(engine/direct_server.py), the answer read frame by frame as it streams (engine/wire.py).
+"""The router's end of the direct transport (router.engine_transport: direct): a keep-alive
+connection pool per dispatcher (one per model a router routes), a POST per call to the
+chosen replica's own endpoint (engine/direct_server.py), the answer read frame by frame as
+it streams (engine/wire.py).
 
 Errors come out as the Serve channel's do, so the retry loop (server/dispatch.py) reads
 both alike (server/replica_set.py `failure`): the engine's own exception by its kind
@@ -17,6 +18,8 @@ import aiohttp
 from rayattn.engine import wire
 from rayattn.engine.protocol import DirectAddress, Reply
 
+CONNECT_TIMEOUT_S = 5.0
+
 
 class DirectClient:
     def __init__(self) -> None:
@@ -27,9 +30,12 @@ class DirectClient:
             # No pool limit: the router's own admission bounds the calls in flight, and a
             # call held here for a connection would be a queue nobody sees. No timeout: the
             # router's request_timeout_s bounds the request as a whole.
+            # A replica unreachable on its port (a firewall) fails fast and the call goes
+            # over Serve's channel (server/dispatch.py).
             self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, force_close=False),
-                timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False)
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
+                auto_decompress=False)
         return self._session
 
     async def stream(self, address: DirectAddress, replica: str,
@@ -41,17 +47,14 @@ class DirectClient:
                 headers={wire.AUTH_HEADER: f"Bearer {address.token}",
                          "content-type": "application/octet-stream"}) as resp:
             if resp.status != 200:
-                # 401: the address is another process's now (a replacement took the port),
-                # so the call never ran; anything else is the router's own bug.
+                # The endpoint answers anything but 200 before it runs a call (a stale token:
+                # another process took the port); so does whatever else took it.
                 raise wire.EngineRaised(wire.Raised(
-                    "never_ran" if resp.status == 401 else "request",
-                    f"HTTP {resp.status}", f"direct endpoint of {replica} answered "
-                    f"{resp.status}", client_error=False))
+                    "never_ran", f"HTTP {resp.status}",
+                    f"direct endpoint of {replica} answered {resp.status}",
+                    client_error=False))
             async for item in wire.replies(resp.content):
                 yield item
-            # To the chunked body's end, so the connection goes back to the pool (one
-            # released unread is closed).
-            await resp.content.read()
 
     async def close(self) -> None:
         if self._session is not None:

@@ -21,9 +21,11 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import aiohttp
 
 from rayattn.config.schema import RayAttnConfig, RouterConfig
 from rayattn.engine import wire
@@ -153,6 +155,8 @@ class Dispatcher:
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self._direct = DirectClient()
+        self._unreachable: dict[str, str] = {}
+        """Replicas whose direct endpoint could not be reached, by the address tried."""
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.gates = gates or Gates.of(cfg.router)
         self.admission, self.rates = self.gates.admission, self.gates.rates
@@ -547,7 +551,7 @@ class Dispatcher:
         EngineCallError (the engine's or Ray's); anything else here is the router's own."""
         replica, req.engine_rank = split(d.replica)
         req.origin = self.core.load.origin
-        chunks: AsyncIterator[Reply] | None = None
+        chunks: AsyncGenerator[Reply, None] | None = None
         self.fair.started(tenant)
         try:
             self.core.dispatched(d, route)
@@ -585,27 +589,43 @@ class Dispatcher:
         finally:
             # Runs on success, failure and cancellation alike: the engine request is
             # cancelled (aborted in vLLM) and the replica's load released.
-            if chunks is not None:
-                await chunks.aclose()  # type: ignore[attr-defined]
-            self.core.ended(d)
-            self.fair.ended(tenant)
-            if self._kv_waiters:
-                self._kv_wake()
+            try:
+                if chunks is not None:
+                    await chunks.aclose()
+            finally:
+                self.core.ended(d)
+                self.fair.ended(tenant)
+                if self._kv_waiters:
+                    self._kv_wake()
 
-    async def _engine_call(self, replica: str, req: OpenAIRequest) -> AsyncIterator[Reply]:
+    async def _engine_call(self, replica: str, req: OpenAIRequest
+                           ) -> AsyncGenerator[Reply, None]:
         """One call's replies, over the direct transport where it is chosen and the replica
         offers it, else over Serve's channel. Closing the generator hangs up either way."""
         if self.cfg.router.engine_transport == "direct":
             r = self.fleet.members.get(replica)
-            address = r.info.direct if r is not None and r.info is not None else None
+            info = r.info if r is not None else None
+            # An autoscaled deployment keeps to Serve's channel: Serve's autoscaler counts
+            # only the calls it carries, and would never see this load.
+            address = info.direct if info is not None and not info.autoscaled else None
             body = wire.encode_request(req) if address is not None else None
-            if address is not None and body is not None:
+            if address is not None and body is not None and \
+                    self._unreachable.get(replica) != address.url:
                 self.counts["sent_direct"] += 1
-                async with contextlib.aclosing(self._direct.stream(address, replica, body)) \
-                        as replies:
-                    async for item in replies:
-                        yield item
-                return
+                try:
+                    async with contextlib.aclosing(
+                            self._direct.stream(address, replica, body)) as replies:
+                        async for item in replies:
+                            yield item
+                    return
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
+                    self.counts["sent_direct"] -= 1
+                    # Nothing was sent. Where the process is gone, Serve's channel says so
+                    # next; where only its port is out of reach (a firewall between nodes),
+                    # that replica's calls keep to Serve's channel until its address changes.
+                    self._unreachable[replica] = address.url
+                    log.warning("direct endpoint of %s unreachable (%s): calls to it go "
+                                "over Serve's channel", replica, e)
         gen = self._stream_handle(replica).serve.remote(req)
         try:
             async for item in gen:
@@ -618,7 +638,7 @@ class Dispatcher:
         transport (a live setting) rather than by Serve's `options()` on every request."""
         transport = self.cfg.router.engine_transport
         if self._streaming is None or self._streaming[0] != transport:
-            if transport == "grpc":
+            if transport in ("grpc", "direct"):  # direct: for calls it cannot carry
                 # Items are plain dataclasses of this package: the standard pickle is enough.
                 handle = self._engines.options(stream=True, _by_reference=False,
                                                request_serialization="pickle",

@@ -57,7 +57,6 @@ class Engine:
                             inflight_stamp=(123, i), timings={"path": "extend"})
                 if i == 0:
                     await asyncio.sleep(self.hold_s)
-            yield Reply("", final=True)
         finally:
             self.ended.append(req.request_id)
 
@@ -66,7 +65,7 @@ class Engine:
 async def endpoint():
     engine = Engine()
     server = DirectServer(engine.serve, classify)
-    address = await server.start("127.0.0.1")
+    address = await server.address("127.0.0.1")
     client = DirectClient()
     yield engine, server, address, client
     await client.close()
@@ -92,12 +91,32 @@ async def test_a_call_reaches_the_named_replica_and_its_replies_come_back_whole(
     got = await collect(client, address, "eng-1", request())
     (target, req), = engine.seen
     assert target == "eng-1" and req == request()
-    assert [r.data for r in got] == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n", ""]
+    assert [r.data for r in got] == ["data: 0\n\n", "data: 1\n\n", "data: 2\n\n"]
     assert got[1].token_ids == [1, 70001] and got[1].inflight_stamp == (123, 1)
     assert got[2].final and got[2].timings == {"path": "extend"}
-    # The connection goes back to the pool: a second call reuses it.
-    await collect(client, address, "eng-1", request("r2"))
-    assert len(engine.seen) == 2
+
+
+async def test_a_caller_that_stops_at_the_final_reply_leaves_the_connection_reusable(
+        endpoint):
+    """The router stops reading at a final reply (server/ingress.py); the client has read
+    the answer to its end by then, so the next call reuses the connection."""
+    engine, server, address, client = endpoint
+    for rid in ("r1", "r2", "r3"):
+        body = wire.encode_request(request(rid))
+        assert body is not None
+        async for item in client.stream(address, "eng-1", body):
+            if item.final:
+                break
+    assert len(engine.seen) == 3
+    await asyncio.sleep(0.05)  # a connection released unread would be closed by now
+    assert len(server._runner.server.connections) == 1
+
+
+async def test_concurrent_first_probes_start_one_endpoint():
+    server = DirectServer(Engine().serve, classify)
+    first, *rest = await asyncio.gather(*(server.address("127.0.0.1") for _ in range(4)))
+    assert first is not None and all(a == first for a in rest)
+    await server.drain(0)
 
 
 async def test_the_token_is_required_and_never_shown(endpoint):
@@ -150,6 +169,57 @@ async def test_hanging_up_ends_the_call_on_the_engine(endpoint):
     assert engine.ended == ["r1"] and server.inflight == 0
 
 
+async def test_a_hang_up_while_the_engine_writes_ends_the_call_there(endpoint):
+    """The router's hang-up is no engine error: nothing is classified, the call ends."""
+    engine, server, address, client = endpoint
+    engine.items, engine.gap_s = 100_000, 0.0
+    body = wire.encode_request(request())
+    assert body is not None
+    got = 0
+    async for _ in client.stream(address, "eng-1", body):
+        got += 1
+        if got == 50:
+            break
+    for _ in range(100):
+        if engine.ended:
+            break
+        await asyncio.sleep(0.02)
+    assert engine.ended == ["r1"] and server.inflight == 0
+
+
+async def test_drain_waits_for_running_calls_and_refuses_new_ones(endpoint):
+    engine, server, address, client = endpoint
+    engine.items, engine.gap_s = 50, 0.05  # longer than the runner's own 1 s to close
+    body = wire.encode_request(request())
+    assert body is not None
+    running = asyncio.ensure_future(collect(client, address, "eng-1", request()))
+    while not server.inflight:
+        await asyncio.sleep(0.01)
+    drained = asyncio.ensure_future(server.drain(30))
+    await asyncio.sleep(0.1)
+    assert not drained.done()  # the running call is not cut
+    got = await running
+    await drained
+    assert len(got) == 50 and got[-1].final
+
+
+async def test_a_cut_after_the_final_reply_loses_nothing():
+    """The answer is whole at its final reply: a connection lost before the end frame
+    must not make the router run the request again."""
+    frames = wire.reply_frame(Reply("data: x\n\n")) + wire.reply_frame(
+        Reply("", final=True))
+    reader = asyncio.StreamReader()
+    reader.feed_data(frames)
+    reader.feed_eof()
+    got = [r async for r in wire.replies(reader)]
+    assert [r.final for r in got] == [False, True]
+    cut = asyncio.StreamReader()
+    cut.feed_data(wire.reply_frame(Reply("data: x\n\n")))
+    cut.feed_eof()
+    with pytest.raises(wire.StreamCut):
+        [r async for r in wire.replies(cut)]
+
+
 async def test_a_draining_replica_refuses_new_calls_as_never_run(endpoint):
     engine, server, address, client = endpoint
     server.draining = True
@@ -179,4 +249,5 @@ async def test_a_replica_gone_mid_answer_or_unreachable_is_a_dead_replica(endpoi
 
 def test_a_body_msgpack_cannot_carry_takes_serves_channel():
     assert wire.encode_request(OpenAIRequest("chat", {"seed": 2 ** 70}, "r")) is None
+    assert wire.encode_request(OpenAIRequest("chat", {"user": "\ud800"}, "r")) is None
     assert wire.decode_request(wire.encode_request(request()) or b"") == request()

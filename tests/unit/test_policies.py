@@ -425,3 +425,16 @@ def test_several_routers_fill_engines_sharing_a_gpu_evenly_on_stale_reports():
             other.reported("r1", late)
     split = {r: sum(n.values()) for r, n in truth.items()}
     assert abs(split["r0"] - split["r1"]) <= 4, split
+
+
+def test_across_gpus_a_new_conversation_weighs_every_routers_load():
+    """Engines on separate GPUs: another router's reported load counts (only between the
+    engines of one GPU does this router's own count come first)."""
+    pol, idx, load, names = fleet(2)
+    load.device.update({"r0": "gpu0", "r1": "gpu1"})
+    load.origin = "me"
+    for _ in range(2):
+        load.acquire("r0", 0)  # decoding: no prefill queued
+    load.reported("r1", {"other": 3})  # within the cost's tolerance: the tie-break decides
+    d = pol.choose(req([7_000_000 + b for b in range(100)]), names)
+    assert d.reason == "cold" and d.replica == "r0"

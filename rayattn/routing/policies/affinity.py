@@ -108,13 +108,19 @@ class Affinity(Policy):
             # cost ties engines that share a GPU (one queue of compute), but each has its own
             # KV cache and batch, and a conversation placed on the fuller one is the first
             # its LRU evicts (seen: 72/56 conversations by hash, every run the same).
-            # This router's own requests first: they are exact, while the other routers'
-            # come from reports of different ages per engine, which in a burst steered
-            # every router the same way (4 routers, one H100: 51/77 conversations). Each
-            # router even on its own keeps the sum even.
-            fewest = min((self.load.local.get(r, 0), self.load.inflight[r]) for r in near)
-            near = [r for r in near
-                    if (self.load.local.get(r, 0), self.load.inflight[r]) == fewest]
+            # Between engines of one GPU, this router's own requests first: they are exact,
+            # while the other routers' come from reports of different ages per engine,
+            # which in a burst steered every router the same way (4 routers, one H100:
+            # 51/77 conversations); each router even on its own keeps the sum even. Across
+            # GPUs the cost already weighs every router's load, and the total decides.
+            one_gpu = len({self.load.device.get(r) for r in near}) == 1 and \
+                self.load.device.get(near[0]) is not None
+
+            def busy(r: str) -> tuple[int, int]:
+                return (self.load.local.get(r, 0) if one_gpu else 0, self.load.inflight[r])
+
+            fewest = min(busy(r) for r in near)
+            near = [r for r in near if busy(r) == fewest]
         if owner in near and len(near) > 1:
             chosen, reason = owner, "session"
         else:
