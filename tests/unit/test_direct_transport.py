@@ -152,33 +152,21 @@ async def test_the_engines_exceptions_keep_their_meaning_for_the_retry_loop(
             assert answer.param == "max_tokens" and "at least 1" in answer.message
 
 
-async def test_hanging_up_ends_the_call_on_the_engine(endpoint):
-    """At once, though the engine has nothing to write for a minute."""
+@pytest.mark.parametrize(("items", "gap_s", "hold_s", "read"), [
+    (2, 0.0, 60.0, 1),        # silent: nothing to write for a minute (queued, prefilling)
+    (100_000, 0.0, 0.0, 50),  # writing as fast as it can when the router hangs up
+])
+async def test_hanging_up_ends_the_call_on_the_engine_at_once(endpoint, items, gap_s, hold_s,
+                                                               read):
     engine, server, address, client = endpoint
-    engine.items, engine.hold_s = 2, 60.0
-    body = wire.encode_request(request())
-    assert body is not None
-    stream = client.stream(address, "eng-1", body)
-    await stream.__anext__()
-    assert server.inflight == 1 and engine.ended == []
-    await stream.aclose()
-    for _ in range(100):
-        if engine.ended:
-            break
-        await asyncio.sleep(0.02)
-    assert engine.ended == ["r1"] and server.inflight == 0
-
-
-async def test_a_hang_up_while_the_engine_writes_ends_the_call_there(endpoint):
-    """The router's hang-up is no engine error: nothing is classified, the call ends."""
-    engine, server, address, client = endpoint
-    engine.items, engine.gap_s = 100_000, 0.0
+    engine.items, engine.gap_s, engine.hold_s = items, gap_s, hold_s
     body = wire.encode_request(request())
     assert body is not None
     got = 0
     async for _ in client.stream(address, "eng-1", body):
         got += 1
-        if got == 50:
+        if got == read:
+            assert server.inflight == 1 and engine.ended == []
             break
     for _ in range(100):
         if engine.ended:
@@ -187,11 +175,9 @@ async def test_a_hang_up_while_the_engine_writes_ends_the_call_there(endpoint):
     assert engine.ended == ["r1"] and server.inflight == 0
 
 
-async def test_drain_waits_for_running_calls_and_refuses_new_ones(endpoint):
+async def test_drain_waits_for_running_calls(endpoint):
     engine, server, address, client = endpoint
     engine.items, engine.gap_s = 50, 0.05  # longer than the runner's own 1 s to close
-    body = wire.encode_request(request())
-    assert body is not None
     running = asyncio.ensure_future(collect(client, address, "eng-1", request()))
     while not server.inflight:
         await asyncio.sleep(0.01)
