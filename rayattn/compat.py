@@ -348,20 +348,24 @@ def _current_placement_group() -> str | None:
         return None
 
 
-@functools.cache
-def serve_autoscales_replica() -> bool:
-    """Whether Serve may change this replica's deployment's replica count under load (an
-    autoscaling_config with max_replicas above min_replicas), as the replica's deployment
-    config says now (Ray keeps it in the replica context; a live change reaches it)."""
+async def serve_autoscales(app: str, deployment: str) -> bool:
+    """Whether Serve may change a deployment's replica count under load (an
+    autoscaling_config with max_replicas above min_replicas), as Serve's controller has it
+    now: a live change to the bounds reaches neither the replicas' context nor their args."""
     try:
-        from ray import serve
+        import ray
+        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
 
-        auto = serve.get_replica_context()._deployment_config.autoscaling_config
-    except Exception:  # not in a Serve replica, or Ray's layout differs
+        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
+        details = await controller.get_serve_instance_details.remote()
+        auto = (details["applications"][app]["deployments"][deployment]
+                ["deployment_config"].get("autoscaling_config"))
+    except Exception:  # not under Serve, or Ray's layout differs
         return False
-    return auto is not None and auto.max_replicas > auto.min_replicas
+    return bool(auto) and auto.get("max_replicas", 1) > auto.get("min_replicas", 1)
 
 
+@functools.cache
 def client_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions vLLM raises about a request itself (the client's 4xx, never retried).
     vLLM 0.32 has its own VLLMClientError tree (not a ValueError); older releases raise

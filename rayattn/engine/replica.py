@@ -119,6 +119,7 @@ class EngineReplica:
         self._openai_layer: Any = None
         self._openai_lock = asyncio.Lock()
         self._direct: DirectServer | None = None
+        self._autoscaled_now, self._autoscaled_at = False, -AUTOSCALED_TTL_S
         self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                                exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._facts)
@@ -158,8 +159,23 @@ class EngineReplica:
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
-                          direct=direct, autoscaled=compat.serve_autoscales_replica(),
-                          **report)
+                          direct=direct, autoscaled=await self._autoscaled(), **report)
+
+    async def _autoscaled(self) -> bool:
+        """Whether Serve autoscales this deployment, asked of Serve's controller at most once
+        per AUTOSCALED_TTL_S (every router's probe asks twice a second)."""
+        now = time.monotonic()
+        if now - self._autoscaled_at > AUTOSCALED_TTL_S:
+            self._autoscaled_at = now
+            try:
+                from ray import serve
+
+                ctx = serve.get_replica_context()
+                self._autoscaled_now = await compat.serve_autoscales(ctx.app_name,
+                                                                     ctx.deployment)
+            except Exception:  # constructed outside Serve
+                self._autoscaled_now = False
+        return self._autoscaled_now
 
     def _inflight_of(self, rank: int | None) -> dict[str, int]:
         """In-flight requests per sending router: those pinned to DP rank `rank`, or (None)
@@ -313,6 +329,9 @@ class EngineReplica:
             self._inflight_seq += 1
             if self._inflight[key] <= 0:
                 del self._inflight[key]
+
+
+AUTOSCALED_TTL_S = 5.0
 
 
 def _loop_running() -> bool:
