@@ -348,21 +348,28 @@ def _current_placement_group() -> str | None:
         return None
 
 
-async def serve_autoscales(app: str, deployment: str) -> bool:
+async def serve_autoscales(app: str, deployment: str) -> bool | None:
     """Whether Serve may change a deployment's replica count under load (an
     autoscaling_config with max_replicas above min_replicas), as Serve's controller has it
-    now: a live change to the bounds reaches neither the replicas' context nor their args."""
+    now: a live change to the bounds reaches neither the replicas' context nor their args.
+    None: no answer (not under Serve, or Ray's layout differs)."""
     try:
-        import ray
-        from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
-
-        controller = ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
-        details = await controller.get_serve_instance_details.remote()
+        details = await _serve_controller().get_serve_instance_details.remote()
         auto = (details["applications"][app]["deployments"][deployment]
                 ["deployment_config"].get("autoscaling_config"))
-    except Exception:  # not under Serve, or Ray's layout differs
-        return False
+    except Exception:
+        return None
     return bool(auto) and auto.get("max_replicas", 1) > auto.get("min_replicas", 1)
+
+
+@functools.cache
+def _serve_controller() -> Any:
+    """Serve's controller (a detached actor: its handle outlives a restart of it), looked up
+    once: the lookup is a blocking call to Ray's GCS."""
+    import ray
+    from ray.serve._private.constants import SERVE_CONTROLLER_NAME, SERVE_NAMESPACE
+
+    return ray.get_actor(SERVE_CONTROLLER_NAME, namespace=SERVE_NAMESPACE)
 
 
 @functools.cache

@@ -385,7 +385,7 @@ class RouterConfig(_Strict):
     endpoint on its node's address (an ephemeral port, a bearer token routers learn over
     Ray), its answer streamed back as msgpack frames (engine/direct_server.py): no Serve
     request routing, replica task or per-chunk message (one H100, 128 streams: later turns'
-    first token p50 0.09 s against 0.14 s over `grpc`, docs/gpu.md section 8d); a
+    first token p50 0.087 s against 0.121 s over `grpc`, docs/gpu.md section 8d); a
     replica without the endpoint, or a request msgpack cannot carry, takes `grpc`. Needs
     the routers to reach the engines' nodes on any port, as the KV event relays already
     do. `grpc`: Serve's replica-to-replica

@@ -2,7 +2,7 @@
 
 Serve's channel to a replica (its request router, a gRPC call, a replica task per request,
 one message per chunk) costs each request milliseconds under load: on one H100 with 128
-streams, 12–24 ms p50 to reach the engine replica and 4–6 ms back, against 4–7 ms and under
+streams, 13–19 ms p50 to reach the engine replica and 4–5 ms back, against 3–5 ms and under
 1 ms here (docs/gpu.md section 8d), where vllm-router's whole way to `vllm serve` costs
 about one. Here the router POSTs the request straight to the replica's event loop, on a
 keep-alive connection, and reads the answer as it streams (engine/wire.py).
@@ -22,7 +22,7 @@ import hmac
 import logging
 import secrets
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 import msgspec
 from aiohttp import web
@@ -61,13 +61,15 @@ class DirectServer:
         server = web.Server(self._handle, handler_cancellation=True, access_log=None)
         # At shutdown drain() has waited for the calls: what is left to close is idle.
         runner = web.ServerRunner(server, handle_signals=False, shutdown_timeout=1.0)
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        sock: socket.socket | None = None
         try:
+            sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
             sock.bind((host, 0))
             await runner.setup()
             await web.SockSite(runner, sock).start()
-        except OSError as e:
-            sock.close()
+        except Exception as e:
+            if sock is not None:
+                sock.close()
             await runner.cleanup()
             log.warning("direct endpoint not started (routers use Serve's channel): %s", e)
             return None
@@ -109,7 +111,8 @@ class DirectServer:
         await resp.write_eof()
         return resp
 
-    async def _frames(self, target: str | None, req: OpenAIRequest) -> AsyncIterator[bytes]:
+    async def _frames(self, target: str | None, req: OpenAIRequest
+                      ) -> AsyncGenerator[bytes, None]:
         """The answer's frames: each reply, the engine's exception if it raised one, the
         end. Only the engine's exceptions become frames, never the router's hang-up."""
         self.inflight += 1

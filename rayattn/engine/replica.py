@@ -119,7 +119,7 @@ class EngineReplica:
         self._openai_layer: Any = None
         self._openai_lock = asyncio.Lock()
         self._direct: DirectServer | None = None
-        self._autoscaled_now, self._autoscaled_at = False, -AUTOSCALED_TTL_S
+        self._autoscaled_now, self._autoscaled_at = True, -AUTOSCALED_TTL_S
         self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                                exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._facts)
@@ -163,7 +163,9 @@ class EngineReplica:
 
     async def _autoscaled(self) -> bool:
         """Whether Serve autoscales this deployment, asked of Serve's controller at most once
-        per AUTOSCALED_TTL_S (every router's probe asks twice a second)."""
+        per AUTOSCALED_TTL_S (every router's probe asks twice a second). Until an answer
+        comes, and while one does not, the last one holds, first True: routers keep to
+        Serve's channel rather than hide load from the autoscaler."""
         now = time.monotonic()
         if now - self._autoscaled_at > AUTOSCALED_TTL_S:
             self._autoscaled_at = now
@@ -171,10 +173,12 @@ class EngineReplica:
                 from ray import serve
 
                 ctx = serve.get_replica_context()
-                self._autoscaled_now = await compat.serve_autoscales(ctx.app_name,
-                                                                     ctx.deployment)
-            except Exception:  # constructed outside Serve
-                self._autoscaled_now = False
+                known = await asyncio.wait_for(
+                    compat.serve_autoscales(ctx.app_name, ctx.deployment), 2.0)
+            except Exception:  # outside Serve, or the controller slow to answer
+                known = None
+            if known is not None:
+                self._autoscaled_now = known
         return self._autoscaled_now
 
     def _inflight_of(self, rank: int | None) -> dict[str, int]:
@@ -217,7 +221,8 @@ class EngineReplica:
 
     async def _drain_then_close(self, direct: DirectServer) -> None:
         try:
-            await direct.drain(self.cfg.serve.graceful_shutdown_timeout_s)
+            await direct.drain(max(0.0, self.cfg.serve.graceful_shutdown_timeout_s
+                                   - DRAIN_MARGIN_S))
         finally:
             self._close()
 
@@ -332,6 +337,13 @@ class EngineReplica:
 
 
 AUTOSCALED_TTL_S = 5.0
+"""A live change of the engine deployment's autoscaling bounds reaches routers within this
+(plus a probe period); the controller's answer is the whole Serve instance's details."""
+
+DRAIN_MARGIN_S = 3.0
+"""Of serve.graceful_shutdown_timeout_s, what the direct calls' drain leaves to Serve: its
+own drain loop (graceful_shutdown_wait_loop_s, 2 s) ran first, and the engine must stop
+before the controller kills the replica."""
 
 
 def _loop_running() -> bool:

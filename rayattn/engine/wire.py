@@ -11,6 +11,7 @@ microseconds, where the rest of the call is what the transport exists to save.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import struct
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -55,6 +56,12 @@ class EngineRaised(Exception):
 
 class StreamCut(ConnectionError):
     """The answer ended before its end frame: the replica (or the connection) went away."""
+
+
+class EndpointUnusable(ConnectionError):
+    """The endpoint answered something other than a call's stream or a stale token's 401
+    (another program on the port, a router and engine of different versions): nothing
+    ran, and the call goes over Serve's channel."""
 
 
 def encode_request(req: OpenAIRequest) -> bytes | None:
@@ -110,13 +117,18 @@ async def replies(reader: _Reader) -> AsyncIterator[Reply]:
         try:
             kind, n = _HEADER.unpack(await reader.readexactly(_HEADER.size))
             payload = await reader.readexactly(n) if n else b""
-        except asyncio.IncompleteReadError as e:
+        except Exception as e:  # a cut: asyncio's short read, aiohttp's payload error
             if held is not None:
-                yield held
+                yield held  # the answer was whole
                 return
-            raise StreamCut("the engine replica's answer ended before its end") from e
+            if isinstance(e, asyncio.IncompleteReadError):
+                raise StreamCut("the engine replica's answer ended before its end") from e
+            raise
         if kind == _END:
-            await reader.read()  # the body's own end: the connection is reusable now
+            # The body's own end, so the connection is reusable; the answer is whole
+            # whatever happens to the connection now.
+            with contextlib.suppress(Exception):
+                await reader.read()
             if held is not None:
                 yield held
             return

@@ -11,7 +11,7 @@ replica gone."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 import aiohttp
 
@@ -39,20 +39,21 @@ class DirectClient:
         return self._session
 
     async def stream(self, address: DirectAddress, replica: str,
-                     body: bytes) -> AsyncIterator[Reply]:
+                     body: bytes) -> AsyncGenerator[Reply, None]:
         """The replies to one call (`body`: wire.encode_request's), ended or cut as the
         engine's answer is; closing the generator hangs up, which aborts the call there."""
         async with self._open().post(
                 f"{address.url}/serve/{replica}", data=body,
                 headers={wire.AUTH_HEADER: f"Bearer {address.token}",
                          "content-type": "application/octet-stream"}) as resp:
-            if resp.status != 200:
-                # The endpoint answers anything but 200 before it runs a call (a stale token:
-                # another process took the port); so does whatever else took it.
+            if resp.status == 401:
+                # A stale token: another replica's process took the port. Nothing ran.
                 raise wire.EngineRaised(wire.Raised(
-                    "never_ran", f"HTTP {resp.status}",
-                    f"direct endpoint of {replica} answered {resp.status}",
+                    "never_ran", "HTTP 401", f"direct endpoint of {replica} answered 401",
                     client_error=False))
+            if resp.status != 200:
+                raise wire.EndpointUnusable(f"direct endpoint of {replica} answered "
+                                            f"{resp.status}")
             async for item in wire.replies(resp.content):
                 yield item
 

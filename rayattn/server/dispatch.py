@@ -51,6 +51,9 @@ log = logging.getLogger("rayattn.router")
 # How long a request waits for an engine replica when some exist but none is up.
 NO_REPLICA_GRACE_S = 10.0
 
+UNREACHABLE_S = 60.0
+"""How long a replica whose direct endpoint could not be used gets Serve's channel."""
+
 KV_RECHECK_S = 0.5
 """How often a request held by cache-pressure admission looks again without being woken."""
 
@@ -155,13 +158,13 @@ class Dispatcher:
         self._engines = engines  # the engine deployment's handle
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
         self._direct = DirectClient()
-        self._unreachable: dict[str, str] = {}
-        """Replicas whose direct endpoint could not be reached, by the address tried."""
+        self._unreachable: dict[str, tuple[str, float]] = {}
+        """Replicas whose direct endpoint could not be used: (the address tried, until)."""
         self.fleet = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.gates = gates or Gates.of(cfg.router)
         self.admission, self.rates = self.gates.admission, self.gates.rates
         self.fair, self.stalls = self.gates.fair, self.gates.stalls
-        self.counts: dict[str, float] = {"sent": 0, "sent_direct": 0, "succeeded": 0,
+        self.counts: dict[str, float] = {"sent": 0, "direct_calls": 0, "succeeded": 0,
                                          "retried": 0, "failed": 0,
                                          "engine_crashes": 0, "quarantined": 0,
                                          "kv_held": 0, "kv_held_s": 0.0}
@@ -548,7 +551,8 @@ class Dispatcher:
     async def _call(self, d: Decision, req: OpenAIRequest, route: RouteRequest,
                     tenant: str = "") -> AsyncIterator[Reply]:
         """Stream one attempt from one replica. Errors the call itself raises come out as
-        EngineCallError (the engine's or Ray's); anything else here is the router's own."""
+        EngineCallError (the engine's, Ray's or the direct transport's); anything else here
+        is the router's own."""
         replica, req.engine_rank = split(d.replica)
         req.origin = self.core.load.origin
         chunks: AsyncGenerator[Reply, None] | None = None
@@ -609,23 +613,26 @@ class Dispatcher:
             # only the calls it carries, and would never see this load.
             address = info.direct if info is not None and not info.autoscaled else None
             body = wire.encode_request(req) if address is not None else None
-            if address is not None and body is not None and \
-                    self._unreachable.get(replica) != address.url:
-                self.counts["sent_direct"] += 1
+            shunned = self._unreachable.get(replica)
+            if address is not None and body is not None and not (
+                    shunned and shunned[0] == address.url and time.monotonic() < shunned[1]):
                 try:
                     async with contextlib.aclosing(
                             self._direct.stream(address, replica, body)) as replies:
+                        self.counts["direct_calls"] += 1
                         async for item in replies:
                             yield item
                     return
-                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as e:
-                    self.counts["sent_direct"] -= 1
-                    # Nothing was sent. Where the process is gone, Serve's channel says so
-                    # next; where only its port is out of reach (a firewall between nodes),
-                    # that replica's calls keep to Serve's channel until its address changes.
-                    self._unreachable[replica] = address.url
-                    log.warning("direct endpoint of %s unreachable (%s): calls to it go "
-                                "over Serve's channel", replica, e)
+                except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError,
+                        wire.EndpointUnusable) as e:
+                    # Nothing ran. Where the process is gone, Serve's channel says so next;
+                    # where only its port is out of reach (a firewall between nodes) or
+                    # something else answers there, that replica's calls keep to Serve's
+                    # channel for a while.
+                    self._unreachable[replica] = (address.url,
+                                                  time.monotonic() + UNREACHABLE_S)
+                    log.warning("direct endpoint of %s unusable (%s): calls to it go over "
+                                "Serve's channel for %.0f s", replica, e, UNREACHABLE_S)
         gen = self._stream_handle(replica).serve.remote(req)
         try:
             async for item in gen:

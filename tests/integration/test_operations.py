@@ -165,10 +165,10 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             t_load = time.time()
             # Over Serve's channel (the direct transport is for fixed engine counts: Serve's
             # autoscaler counts only the calls it carries).
-            direct = _health(server)["counts"]["sent_direct"]
+            direct = _health(server)["counts"]["direct_calls"]
             up = _wait("a second engine replica", lambda: [
                 n for n in _health(server)["replicas_up"] if n not in one], 300)[0]
-            assert _health(server)["counts"]["sent_direct"] == direct
+            assert _health(server)["counts"]["direct_calls"] == direct
             t_up = time.time()
             first = _wait("the new replica serving", lambda: next(
                 (t for t, code, r in load.done if r == up and code == 200), None), 60)

@@ -273,11 +273,11 @@ def test_each_engine_transport_serves_streams_errors_and_hang_ups(server, client
                              "logit_bias": {"999999": 1}})
         assert bad.status_code == 400, bad.text
         after = counts()
-        direct = after["sent_direct"] - before["sent_direct"]
+        direct = after["direct_calls"] - before["direct_calls"]
         assert direct >= 3 if transport == "direct" else direct == 0, (before, after)
         assert after["retried"] == before["retried"] and after["failed"] == before["failed"]
         test_disconnect_mid_stream_aborts_engine_request(server)
-        assert (counts()["sent_direct"] > after["sent_direct"]) == (transport == "direct")
+        assert (counts()["direct_calls"] > after["direct_calls"]) == (transport == "direct")
     finally:
         _transport(server, "direct")
 

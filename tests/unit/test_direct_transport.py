@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from rayattn.engine import wire
 from rayattn.engine.direct_server import DirectServer
@@ -189,21 +190,39 @@ async def test_drain_waits_for_running_calls(endpoint):
     assert len(got) == 50 and got[-1].final
 
 
-async def test_a_cut_after_the_final_reply_loses_nothing():
+@pytest.mark.parametrize("after_final", [True, False])
+async def test_a_cut_after_the_final_reply_loses_nothing(after_final):
     """The answer is whole at its final reply: a connection lost before the end frame
-    must not make the router run the request again."""
-    frames = wire.reply_frame(Reply("data: x\n\n")) + wire.reply_frame(
-        Reply("", final=True))
-    reader = asyncio.StreamReader()
-    reader.feed_data(frames)
-    reader.feed_eof()
-    got = [r async for r in wire.replies(reader)]
-    assert [r.final for r in got] == [False, True]
-    cut = asyncio.StreamReader()
-    cut.feed_data(wire.reply_frame(Reply("data: x\n\n")))
-    cut.feed_eof()
-    with pytest.raises(wire.StreamCut):
-        [r async for r in wire.replies(cut)]
+    must not make the router run the request again; one lost before it is a dead replica.
+    Over a real connection, as aiohttp reports a cut chunked body."""
+
+    async def cut(request: web.BaseRequest) -> web.StreamResponse:
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        await resp.write(wire.reply_frame(Reply("data: x\n\n")))
+        if after_final:
+            await resp.write(wire.reply_frame(Reply("", final=True)))
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return resp
+
+    runner = web.ServerRunner(web.Server(cut))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    client = DirectClient()
+    try:
+        stream = client.stream(DirectAddress(f"http://127.0.0.1:{port}", "t"), "e", b"")
+        if after_final:
+            assert [r.final async for r in stream] == [False, True]
+        else:
+            with pytest.raises(Exception) as err:
+                [r async for r in stream]
+            assert failure(err.value) == "replica_died"
+    finally:
+        await client.close()
+        await runner.cleanup()
 
 
 async def test_a_draining_replica_refuses_new_calls_as_never_run(endpoint):
