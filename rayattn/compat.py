@@ -373,6 +373,17 @@ def _serve_controller() -> Any:
 
 
 @functools.cache
+def engine_crash_types() -> tuple[type[BaseException], ...]:
+    """What vLLM raises to the requests it was running when its engine died (empty where
+    its layout differs)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - vLLM layout differs
+        return ()
+    return (EngineDeadError,)
+
+
+@functools.cache
 def client_error_types() -> tuple[type[BaseException], ...]:
     """Exceptions vLLM raises about a request itself (the client's 4xx, never retried).
     vLLM 0.32 has its own VLLMClientError tree (not a ValueError); older releases raise

@@ -356,13 +356,8 @@ def _loop_running() -> bool:
 
 def _classify(e: BaseException) -> wire.Raised:
     """An exception of this replica's `serve` as the direct transport carries it."""
-    try:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
-        crashed: tuple[type[BaseException], ...] = (EngineDeadError,)
-    except ImportError:  # pragma: no cover - vLLM layout differs
-        crashed = ()
-    return wire.raised_of(e, compat.client_error_types(), (Misrouted, EngineDown), crashed)
+    return wire.raised_of(e, compat.client_error_types(), (Misrouted, EngineDown),
+                          compat.engine_crash_types())
 
 
 def _serve_identity() -> tuple[str, int]:

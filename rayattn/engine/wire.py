@@ -51,7 +51,6 @@ class EngineRaised(Exception):
     def __init__(self, raised: Raised) -> None:
         super().__init__(f"{raised.type}: {raised.message}")
         self.raised = raised
-        self.parameter = raised.parameter
 
 
 class StreamCut(ConnectionError):

@@ -26,6 +26,7 @@ from typing import Any, Literal
 import aiohttp
 from ray import exceptions as ray_exc
 
+from rayattn import compat
 from rayattn.engine import wire
 from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted
 from rayattn.server.background import detached
@@ -74,11 +75,7 @@ def failure(e: BaseException) -> Failure:
     if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
         return "replica_died"
-    try:
-        from vllm.v1.engine.exceptions import EngineDeadError
-    except Exception:  # pragma: no cover - vLLM layout differs
-        return "request"
-    return "engine_crashed" if isinstance(e, EngineDeadError) else "request"
+    return "engine_crashed" if isinstance(e, compat.engine_crash_types()) else "request"
 
 
 def engine_dead(e: BaseException) -> bool:
