@@ -27,6 +27,8 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from rayattn.server import parallel_tokenizing
+
 log = logging.getLogger("rayattn.router")
 
 # Bounds on what the router keeps per model: the ids of recent prompts' heads.
@@ -85,12 +87,15 @@ class Counts:
     def __init__(self) -> None:
         self.reused_tokens = 0
         self.tokenized_tokens = 0
+        self.pieced_tokens = 0
+        """Of tokenized_tokens, those tokenized in pieces on several cores."""
         self._lock = threading.Lock()
 
-    def add(self, reused: int, tokenized: int) -> None:
+    def add(self, reused: int, tokenized: int, pieced: int = 0) -> None:
         with self._lock:
             self.reused_tokens += reused
             self.tokenized_tokens += tokenized
+            self.pieced_tokens += pieced
 
 
 def boundary_tokens(tokenizer: Any) -> list[str]:
@@ -177,6 +182,20 @@ def install(tokenizer: Any) -> Counts | None:
     pattern = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
     heads, counts = HeadCache(), Counts()
     base = type(tokenizer)
+    pieces = parallel_tokenizing.install(tokenizer)
+    # Where add_special_tokens=True adds nothing, a text's ids are the same either way and
+    # may be tokenized in pieces (which add none).
+    adds_nothing = pieces is not None and \
+        list(base.__call__(tokenizer, "x", add_special_tokens=True)["input_ids"]) == \
+        list(base.__call__(tokenizer, "x", add_special_tokens=False)["input_ids"])
+
+    def own_ids(self: Any, text: str, special: bool) -> tuple[list[int], bool]:
+        """The tokenizer's own ids for text, and whether they were tokenized in pieces."""
+        if pieces is not None and (adds_nothing or not special):
+            ids = pieces.ids(text)
+            if ids is not None:
+                return ids, True
+        return list(base.__call__(self, text, add_special_tokens=special)["input_ids"]), False
 
     def __call__(self: Any, text: Any = None, *args: Any, **kwargs: Any) -> Any:
         if args or not isinstance(text, str) or not set(kwargs) <= _ARGS \
@@ -194,12 +213,12 @@ def install(tokenizer: Any) -> Counts | None:
                 at = cuts[i]
                 break
         if head is None:
-            ids = list(base.__call__(self, text, add_special_tokens=special)["input_ids"])
-            counts.add(0, len(ids))
+            ids, pieced = own_ids(self, text, special)
+            counts.add(0, len(ids), len(ids) if pieced else 0)
         else:
-            tail = base.__call__(self, text[at:], add_special_tokens=False)["input_ids"]
-            ids = head.tolist() + list(tail)
-            counts.add(len(head), len(tail))
+            tail, pieced = own_ids(self, text[at:], False)
+            ids = head.tolist() + tail
+            counts.add(len(head), len(tail), len(tail) if pieced else 0)
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
         if limit is not None and len(ids) > limit:
             # Longer than vLLM lets through: its own call, truncation and error included.

@@ -102,10 +102,12 @@ class ModelRoute:
                                 f"{type(e).__name__}: {str(e)[:200]}", retry_after=5) from None
 
     def render_counts(self) -> dict[str, float]:
-        """Prompt tokens the renderer tokenized, and those it reused from earlier prompts'
-        heads (rayattn/server/incremental_tokenizer.py)."""
+        """Prompt tokens the renderer tokenized (of those, tokenized in pieces on several
+        cores), and those it reused from earlier prompts' heads
+        (rayattn/server/incremental_tokenizer.py, parallel_tokenizing.py)."""
         inc = self._renderer_built.incremental if self._renderer_built else None
         return {} if inc is None else {"tokens_tokenized": inc.tokenized_tokens,
+                                       "tokens_pieced": inc.pieced_tokens,
                                        "tokens_reused": inc.reused_tokens}
 
     async def render(self, kind: str, body: Any) -> Rendered:
