@@ -12,9 +12,9 @@ pre-tokenizer that only splits by a regex and maps bytes (GPT-2's ByteLevel, or 
 Split + ByteLevel of Llama 3, Qwen, DeepSeek), a cut where every such regex ends a match and
 starts the next is invisible to the model. The cuts taken are the ones every such regex
 honours: a letter, then a single space and a letter (`abc| def`: the letter run ends, and
-` def` is one pre-token). Added tokens must hold no whitespace (the cut could fall inside
-one). Installed only where the tokenizer is of that shape and a self-test on awkward texts
-gives the whole text's ids for every piece count."""
+` def` is one pre-token). Added tokens must hold no whitespace and take none around them
+(lstrip, rstrip, single_word). Installed only where the tokenizer is of that shape and a
+self-test on awkward texts gives the whole text's ids for every piece count."""
 
 from __future__ import annotations
 
@@ -36,8 +36,12 @@ def _shape_ok(backend: Any) -> bool:
     spec = json.loads(backend.to_str())
     if spec.get("normalizer") is not None:
         return False
-    if any(any(c.isspace() for c in t.get("content", "")) for t in spec.get("added_tokens", [])):
-        return False
+    for t in spec.get("added_tokens", []):
+        # Whitespace inside a token, or a token that takes the whitespace around it: a cut
+        # could fall inside one, or leave it without the space it would have taken.
+        if any(c.isspace() for c in t.get("content", "")) or \
+                any(t.get(k) for k in ("lstrip", "rstrip", "single_word")):
+            return False
     pre = spec.get("pre_tokenizer")
     parts = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre]
     for p in parts:

@@ -72,6 +72,12 @@ def test_not_installed_where_pieces_could_differ(monkeypatch, cores):
             (None, pre_tokenizers.Metaspace(prepend_scheme="first")),  # SentencePiece-style
             (None, pre_tokenizers.Whitespace())]:
         assert parallel_tokenizing.install(_custom(normalizer, pre)[0]) is None, (normalizer, pre)
+    # An added token that takes the space after it: "hello| def" would lose that space.
+    from tokenizers import AddedToken
+
+    greedy, _, _ = _custom()
+    greedy.add_tokens([AddedToken("hello", rstrip=True)])
+    assert parallel_tokenizing.install(greedy) is None
     monkeypatch.setattr(parallel_tokenizing, "_cores", lambda: 1)
     assert parallel_tokenizing.install(tok) is None  # one core: nothing to gain
 
