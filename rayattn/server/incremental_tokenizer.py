@@ -182,17 +182,17 @@ def install(tokenizer: Any) -> Counts | None:
     pattern = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
     heads, counts = HeadCache(), Counts()
     base = type(tokenizer)
-    pieces = parallel_tokenizing.install(tokenizer)
+    piece_tokenizer = parallel_tokenizing.install(tokenizer)
     # Where add_special_tokens=True adds nothing, a text's ids are the same either way and
     # may be tokenized in pieces (which add none).
-    adds_nothing = pieces is not None and \
+    adds_nothing = piece_tokenizer is not None and \
         list(base.__call__(tokenizer, "x", add_special_tokens=True)["input_ids"]) == \
         list(base.__call__(tokenizer, "x", add_special_tokens=False)["input_ids"])
 
     def own_ids(self: Any, text: str, special: bool) -> tuple[list[int], bool]:
         """The tokenizer's own ids for text, and whether they were tokenized in pieces."""
-        if pieces is not None and (adds_nothing or not special):
-            ids = pieces.ids(text)
+        if piece_tokenizer is not None and (adds_nothing or not special):
+            ids = piece_tokenizer.ids(text)
             if ids is not None:
                 return ids, True
         return list(base.__call__(self, text, add_special_tokens=special)["input_ids"]), False

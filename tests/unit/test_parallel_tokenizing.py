@@ -49,37 +49,69 @@ def test_cuts_fall_between_a_letter_and_a_spaced_letter():
         assert text[i] == " " and text[i - 1].isalpha() and text[i + 1].isalpha()
 
 
-def _custom(normalizer=None, pre=None):
-    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+def _custom(normalizer=None, pre=None, corpus=("hello world spaces leading trailing",)):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     raw = Tokenizer(models.BPE(unk_token="<unk>"))
     raw.normalizer = normalizer
     raw.pre_tokenizer = pre or pre_tokenizers.ByteLevel(add_prefix_space=False)
-    raw.train_from_iterator(["hello world spaces leading trailing"] * 50, trainers.BpeTrainer(
-        vocab_size=300, special_tokens=["<unk>"], show_progress=False,
+    raw.train_from_iterator(list(corpus) * 50, trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<unk>"], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>"), normalizers, \
-        pre_tokenizers
+    return PreTrainedTokenizerFast(tokenizer_object=raw, unk_token="<unk>")
 
 
 def test_not_installed_where_pieces_could_differ(monkeypatch, cores):
-    tok, normalizers, pre_tokenizers = _custom()
-    assert parallel_tokenizing.install(tok) is not None  # the plain shape is taken
+    from tokenizers import AddedToken, Regex, normalizers
+    from tokenizers import pre_tokenizers as pt
+
+    assert parallel_tokenizing.install(_custom()) is not None  # the plain shape is taken
+    words_across_spaces = pt.Sequence([pt.Split(Regex(r"\S+\s?\S*"), "isolated"),
+                                       pt.ByteLevel(add_prefix_space=False, use_regex=False)])
     for normalizer, pre in [
             (normalizers.NFKC(), None),  # normalizes the whole text first
-            (None, pre_tokenizers.ByteLevel(add_prefix_space=True)),  # a space before each
-            (None, pre_tokenizers.Metaspace(prepend_scheme="first")),  # SentencePiece-style
-            (None, pre_tokenizers.Whitespace())]:
-        assert parallel_tokenizing.install(_custom(normalizer, pre)[0]) is None, (normalizer, pre)
+            (None, pt.ByteLevel(add_prefix_space=True)),  # a space where a text has none
+            (None, pt.Metaspace(prepend_scheme="first")),  # SentencePiece-style
+            (None, pt.Whitespace()),
+            (None, pt.ByteLevel(add_prefix_space=False, use_regex=False)),  # no split at all
+            (None, pt.Sequence([])),
+            # Allowed steps, but a regex whose pre-tokens run across the cuts ("of the")
+            (None, words_across_spaces)]:
+        tok = _custom(normalizer, pre, corpus=("of the way by the sea " * 20,))
+        assert parallel_tokenizing.install(tok) is None, (normalizer, pre)
+    # The same with a vocabulary that merges nothing across a space: the self-test's ids
+    # agree, and only where its pre-tokens start shows that other words would not.
+    tok = _custom(None, words_across_spaces, corpus=("ofthewaybythesea",))
+    assert parallel_tokenizing.install(tok) is None
     # An added token that takes the space after it: "hello| def" would lose that space.
-    from tokenizers import AddedToken
-
-    greedy, _, _ = _custom()
+    greedy = _custom()
     greedy.add_tokens([AddedToken("hello", rstrip=True)])
     assert parallel_tokenizing.install(greedy) is None
-    monkeypatch.setattr(parallel_tokenizing, "_cores", lambda: 1)
-    assert parallel_tokenizing.install(tok) is None  # one core: nothing to gain
+    # Special tokens tokenized as text: a copy of the backend would not know.
+    from transformers import AutoTokenizer
+
+    from rayattn.models.embedded import resolve_embedded
+
+    assert parallel_tokenizing.install(AutoTokenizer.from_pretrained(
+        resolve_embedded("rayattn://smollm2-135m"), split_special_tokens=True)) is None
+    for env, value in (("TOKENIZERS_PARALLELISM", "false"), ("RAYON_NUM_THREADS", "1")):
+        monkeypatch.undo()  # the real core count, bounded by the variable
+        monkeypatch.setenv(env, value)
+        assert parallel_tokenizing.install(_custom()) is None, env
+
+
+def test_texts_stay_whole_while_the_cores_are_taken(cores):
+    """64 new prompts at once gain nothing from cutting each: a text is cut only into the
+    cores that other texts in pieces leave free."""
+    tok = _smollm2()
+    pieces = parallel_tokenizing.install(tok)
+    text = _long_texts(3)[0]
+    assert pieces.ids(text) is not None
+    pieces._busy = 5  # five texts in flight on 6 cores: nothing left to cut with
+    assert pieces.ids(text) is None
+    pieces._busy = 2  # two in flight: two cores for this one
+    assert pieces.ids(text) == tok(text, add_special_tokens=False)["input_ids"]
 
 
 def test_the_router_tokenizes_new_long_prompts_in_pieces_from_many_threads(cores):
