@@ -103,15 +103,16 @@ def test_not_installed_where_pieces_could_differ(monkeypatch, cores):
 
 def test_texts_stay_whole_while_the_cores_are_taken(cores):
     """64 new prompts at once gain nothing from cutting each: a text is cut only into the
-    cores that other texts in pieces leave free."""
+    cores that other texts' pieces leave free, and gives them back."""
     tok = _smollm2()
     pieces = parallel_tokenizing.install(tok)
     text = _long_texts(3)[0]
-    assert pieces.ids(text) is not None
-    pieces._busy = 5  # five texts in flight on 6 cores: nothing left to cut with
+    assert pieces.ids(text) is not None and pieces._free == 6
+    pieces._free = 1  # five of the 6 cores run other texts' pieces: nothing to cut with
     assert pieces.ids(text) is None
-    pieces._busy = 2  # two in flight: two cores for this one
+    pieces._free = 2
     assert pieces.ids(text) == tok(text, add_special_tokens=False)["input_ids"]
+    assert pieces._free == 2
 
 
 def test_the_router_tokenizes_new_long_prompts_in_pieces_from_many_threads(cores):
