@@ -78,6 +78,8 @@ async def measure(cfg, kwargs: dict, threads: int, concurrency: int, doc_words: 
     for turn in (1, 2):
         stages: dict[str, list[float]] = {k: [] for k in STAGES}
         todo = [(s, r[turn - 1]) for s, *r in reqs[1:]]
+        inc = renderer.incremental
+        pieced_before = inc.pieced_tokens if inc else 0
         t = time.perf_counter()
         if concurrency == 1:
             lens = [await one(s, raw, stages) for s, raw in todo]
@@ -90,6 +92,9 @@ async def measure(cfg, kwargs: dict, threads: int, concurrency: int, doc_words: 
         rows.append({"threads": threads, "concurrency": concurrency,
                      "turn": "first" if turn == 1 else "later",
                      "incremental": renderer.incremental is not None,
+                     # Tokens tokenized in pieces on several cores in this phase
+                     # (rayattn/server/parallel_tokenizing.py).
+                     "pieced_tokens": (inc.pieced_tokens if inc else 0) - pieced_before,
                      "prompt_tokens": sum(lens) / len(lens), "requests": len(lens),
                      "wall_ms": wall * 1e3,
                      **{k: {"p50": percentile(sorted(v), 0.5), "p99": percentile(sorted(v), 0.99),
@@ -117,11 +122,12 @@ async def main() -> None:
     for threads in map(int, a.threads.split(",")):
         for conc in map(int, a.concurrency.split(",")):
             rows += await measure(cfg, kwargs, threads, conc, a.doc_words, a.user_words)
-    print("| threads | concurrency | turn | tokens | parse | validate | render p50 / p99 | "
-          "hash | total p50 / p99 / max ms |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| threads | concurrency | turn | tokens | pieced | parse | validate | "
+          "render p50 / p99 | hash | total p50 / p99 / max ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['threads']} | {r['concurrency']} | {r['turn']} | {r['prompt_tokens']:.0f} | "
+              f"{r['pieced_tokens']} | "
               f"{r['parse']['p50']:.2f} | {r['validate']['p50']:.2f} | "
               f"{r['render']['p50']:.2f} / {r['render']['p99']:.2f} | {r['hash']['p50']:.2f} | "
               f"{r['total']['p50']:.2f} / {r['total']['p99']:.2f} / {r['total']['max']:.2f} |")

@@ -8,15 +8,16 @@ thread pool and releases the GIL.
 
 Where the ids stay exact: a fast tokenizer takes added tokens out, normalizes the text,
 splits it into pre-tokens, then runs the model (BPE, …) on each pre-token alone. With no
-normalizer, and a pre-tokenizer that splits by a regex and maps bytes (GPT-2's ByteLevel, or
-the Split + ByteLevel of Llama 3, Qwen, DeepSeek), a cut where the pre-tokenizer starts a
-pre-token anyway is invisible to the model. The cuts taken are between a letter and a single
-space followed by a letter (`abc| def`), where those regexes end a letter run and start
-` def`. Installed only where:
-- the tokenizer has that shape: no normalizer; byte-level, regex-split and digit steps only,
-  one of them splitting by a regex; no space prepended; added tokens hold no whitespace
-  and take none around them (lstrip, rstrip, single_word: conservative, only rstrip could
-  lose a space at a cut) and are not split as text (`split_special_tokens`);
+normalizer or NFC, and a pre-tokenizer that splits by a regex and maps bytes (GPT-2's
+ByteLevel, or the Split + ByteLevel of Llama 3, Qwen, DeepSeek), a cut where the
+pre-tokenizer starts a pre-token anyway is invisible to the model. The cuts taken are
+between a letter and a single space followed by a letter (`abc| def`), where those regexes
+end a letter run and start ` def`; a regex that looks behind or joins words (`New York`)
+would not, and the self-test, not this reasoning, is what catches one. Installed only where:
+- the tokenizer has that shape: no normalizer but NFC; byte-level, regex-split and digit
+  steps only, one of them splitting by a regex; no space prepended; added tokens hold no
+  whitespace and take none around them (lstrip, rstrip, single_word: conservative, only
+  rstrip could lose a space at a cut) and are not split as text (`split_special_tokens`);
 - on self-test texts in several scripts, the pre-tokenizer starts a pre-token at every cut,
   and 2, 3 and 7 pieces give the tokenizer's own ids."""
 
@@ -37,13 +38,26 @@ MIN_PIECE_CHARS = 1024
 """~250 tokens: smaller pieces cost more in hand-offs to the thread pool than they save."""
 
 _CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
-"""A space between two word characters that are not digits; isalpha() confirms letters."""
+"""Candidates for a cut: one plain space (U+0020) between word characters that are not
+digits. Only letters are kept (isalpha): a regex that groups digits (`\\p{N}{1,3}`) or
+punctuation with what follows could join them across the space."""
 
 _STEPS = frozenset({"ByteLevel", "Split", "Digits"})
 
 
+def _normalizer_ok(spec: dict[str, Any] | None) -> bool:
+    """None, an empty sequence (DeepSeek-V3), or NFC (Qwen): NFC composes a character only
+    with the marks and starters that follow it, and nothing composes with a space, so it
+    normalizes `abc` and ` def` as it does `abc def`."""
+    if spec is None or spec.get("type") == "NFC":
+        return True
+    return spec.get("type") == "Sequence" and all(
+        _normalizer_ok(n) for n in spec.get("normalizers", []))
+
+
 def _shape_ok(spec: dict[str, Any], tokenizer: Any) -> bool:
-    if spec.get("normalizer") is not None or getattr(tokenizer, "split_special_tokens", False):
+    if not _normalizer_ok(spec.get("normalizer")) or \
+            getattr(tokenizer, "split_special_tokens", False):
         return False
     for t in spec.get("added_tokens", []):
         if any(c.isspace() for c in t.get("content", "")) or \
@@ -82,11 +96,38 @@ def cut_points(text: str, pieces: int) -> list[int]:
     return out
 
 
+class _Cores:
+    """Cores not running a piece now, for the whole process (the Rust tokenizer's thread
+    pool is one per process, whatever the models): texts tokenized at once share them, so
+    64 new prompts arriving together are not each cut 16 ways onto 16 cores."""
+
+    def __init__(self) -> None:
+        self.free: int | None = None
+        self.lock = threading.Lock()
+
+    def take(self, want: int) -> int:
+        with self.lock:
+            if self.free is None:
+                self.free = _cores()
+            n = min(want, self.free)
+            if n < 2:
+                return 0
+            self.free -= n
+            return n
+
+    def give(self, n: int) -> None:
+        with self.lock:
+            self.free = (self.free or 0) + n
+
+
+CORES = _Cores()
+
+
 class PieceTokenizer:
     """Tokenizes long texts in pieces on the Rust tokenizer's thread pool; `ids` returns
     None where a text is better tokenized the usual way."""
 
-    def __init__(self, spec: str, cores: int) -> None:
+    def __init__(self, spec: str) -> None:
         from tokenizers import Tokenizer
 
         # A copy of its own, only ever read: transformers' __call__ sets truncation and
@@ -94,34 +135,26 @@ class PieceTokenizer:
         self.backend = Tokenizer.from_str(spec)
         self.backend.no_truncation()
         self.backend.no_padding()
-        self.cores = cores
-        self._free = cores
-        """Cores not running a piece now: texts tokenized at once share them, so 64 new
-        prompts arriving together are not each cut 16 ways onto 16 cores (measured: 1.2×
-        slower at p50 than whole)."""
-        self._lock = threading.Lock()
 
-    def ids(self, text: str, pieces: int | None = None) -> list[int] | None:
+    def ids(self, text: str) -> list[int] | None:
         """The ids of `text` (no special tokens added), or None where it is too short to be
         worth cutting or fewer than two cores are free (tokenize it the usual way)."""
-        with self._lock:
-            n = pieces or min(self._free, len(text) // MIN_PIECE_CHARS)
-            if n < 2:
-                return None
-            self._free -= n
+        n = CORES.take(len(text) // MIN_PIECE_CHARS)
+        if not n:
+            return None
         try:
             cuts = cut_points(text, n)
-            if not cuts:
-                return None
-            bounds = [0, *cuts, len(text)]
-            out: list[int] = []
-            for enc in self.backend.encode_batch([text[a:b] for a, b in pairwise(bounds)],
-                                                 add_special_tokens=False):
-                out.extend(enc.ids)
-            return out
+            return self.encode(text, cuts) if cuts else None
         finally:
-            with self._lock:
-                self._free += n
+            CORES.give(n)
+
+    def encode(self, text: str, cuts: list[int]) -> list[int]:
+        bounds = [0, *cuts, len(text)]
+        out: list[int] = []
+        for enc in self.backend.encode_batch([text[a:b] for a, b in pairwise(bounds)],
+                                             add_special_tokens=False):
+            out.extend(enc.ids)
+        return out
 
 
 def _self_test_texts() -> list[str]:
@@ -142,22 +175,26 @@ def install(tokenizer: Any) -> PieceTokenizer | None:
     """A PieceTokenizer for `tokenizer` (a transformers fast tokenizer), or None where its
     ids could differ from the tokenizer's own or no second core is there to use."""
     backend = getattr(tokenizer, "_tokenizer", None)
-    cores = _cores()
-    if backend is None or cores < 2 or not hasattr(backend, "encode_batch"):
+    if backend is None or _cores() < 2 or not hasattr(backend, "encode_batch"):
         return None
     try:
         spec = backend.to_str()
         if not _shape_ok(json.loads(spec), tokenizer):
             return None
-        piece_tokenizer = PieceTokenizer(spec, cores)
+        piece_tokenizer = PieceTokenizer(spec)
+        norm = piece_tokenizer.backend.normalizer
         pre = piece_tokenizer.backend.pre_tokenizer
         for text in _self_test_texts():
-            starts = {a for _, (a, _) in pre.pre_tokenize_str(text)}
+            normalized = norm.normalize_str(text) if norm is not None else text
+            starts = {a for _, (a, _) in pre.pre_tokenize_str(normalized)}
             own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
             for n in (2, 3, 7):
-                if not set(cut_points(text, n)) <= starts or \
-                        piece_tokenizer.ids(text, pieces=n) != own:
-                    log.info("tokenizing in pieces off: %s splits differently at a cut",
+                if not set(cut_points(normalized, n)) <= starts:
+                    log.info("tokenizing in pieces off: %s starts no pre-token at a cut",
+                             type(tokenizer).__name__)
+                    return None
+                if piece_tokenizer.encode(text, cut_points(text, n)) != own:
+                    log.info("tokenizing in pieces off: %s gives other ids in pieces",
                              type(tokenizer).__name__)
                     return None
     except Exception as e:  # an unusual tokenizer is tokenized whole
@@ -169,8 +206,9 @@ def install(tokenizer: Any) -> PieceTokenizer | None:
 def _cores() -> int:
     """The cores the Rust tokenizer's pool may use here: this process's CPUs, bounded by
     RAYON_NUM_THREADS; 1 where TOKENIZERS_PARALLELISM turns the pool off."""
-    if os.environ.get("TOKENIZERS_PARALLELISM", "").lower() in ("0", "false", "off", "no"):
-        return 1
+    setting = os.environ.get("TOKENIZERS_PARALLELISM")
+    if setting is not None and setting.lower() in ("", "off", "false", "f", "no", "n", "0"):
+        return 1  # as the tokenizers library reads it
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -4,6 +4,7 @@ whole (the engine serves the router's ids), and the router only does it where th
 from __future__ import annotations
 
 import copy
+import json
 import random
 from concurrent.futures import ThreadPoolExecutor
 
@@ -18,6 +19,7 @@ from .test_incremental_tokenizer import AWKWARD, _smollm2, _tiny
 @pytest.fixture
 def cores(monkeypatch):
     monkeypatch.setattr(parallel_tokenizing, "_cores", lambda: 6)
+    monkeypatch.setattr(parallel_tokenizing, "CORES", parallel_tokenizing._Cores())
 
 
 def _long_texts(seed: int) -> list[str]:
@@ -80,9 +82,10 @@ def test_not_installed_where_pieces_could_differ(monkeypatch, cores):
             (None, words_across_spaces)]:
         tok = _custom(normalizer, pre, corpus=("of the way by the sea " * 20,))
         assert parallel_tokenizing.install(tok) is None, (normalizer, pre)
-    # The same with a vocabulary that merges nothing across a space: the self-test's ids
-    # agree, and only where its pre-tokens start shows that other words would not.
+    # The same with a vocabulary that merges nothing across a space: the shape passes and
+    # the self-test's ids agree; only where its pre-tokens start shows other words would not.
     tok = _custom(None, words_across_spaces, corpus=("ofthewaybythesea",))
+    assert parallel_tokenizing._shape_ok(json.loads(tok._tokenizer.to_str()), tok)
     assert parallel_tokenizing.install(tok) is None
     # An added token that takes the space after it: "hello| def" would lose that space.
     greedy = _custom()
@@ -95,24 +98,90 @@ def test_not_installed_where_pieces_could_differ(monkeypatch, cores):
 
     assert parallel_tokenizing.install(AutoTokenizer.from_pretrained(
         resolve_embedded("rayattn://smollm2-135m"), split_special_tokens=True)) is None
-    for env, value in (("TOKENIZERS_PARALLELISM", "false"), ("RAYON_NUM_THREADS", "1")):
-        monkeypatch.undo()  # the real core count, bounded by the variable
-        monkeypatch.setenv(env, value)
-        assert parallel_tokenizing.install(_custom()) is None, env
+
+
+LLAMA3_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"
+                r" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@pytest.mark.parametrize("normalizer", [None, "NFC", "empty"])
+def test_llama3_qwen_and_deepseek_shapes_are_taken_and_exact(normalizer, cores):
+    """Split by Llama 3's regex, then bytes (Qwen's and DeepSeek's layout), with Qwen's NFC
+    and DeepSeek-V3's empty normalizer sequence."""
+    from tokenizers import Regex, normalizers
+    from tokenizers import pre_tokenizers as pt
+
+    norm = {None: None, "NFC": normalizers.NFC(), "empty": normalizers.Sequence([])}[normalizer]
+    tok = _custom(norm, pt.Sequence([pt.Split(Regex(LLAMA3_SPLIT), "isolated"),
+                                     pt.ByteLevel(add_prefix_space=False, use_regex=False)]),
+                  corpus=[t[:2000] for t in _long_texts(4)])
+    pieces = parallel_tokenizing.install(tok)
+    assert pieces is not None
+    for text in _long_texts(5) + ["e\u0301 combining " * 600]:
+        assert pieces.ids(text) == tok(text, add_special_tokens=False)["input_ids"]
+
+
+def test_the_core_count_follows_the_tokenizers_settings(monkeypatch):
+    monkeypatch.setattr(parallel_tokenizing.os, "sched_getaffinity", lambda _: set(range(8)),
+                        raising=False)
+    monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
+    monkeypatch.delenv("RAYON_NUM_THREADS", raising=False)
+    assert parallel_tokenizing._cores() == 8
+    monkeypatch.setenv("RAYON_NUM_THREADS", "3")
+    assert parallel_tokenizing._cores() == 3
+    for off in ("false", "", "f", "N", "0"):  # the library's own reading of "off"
+        monkeypatch.setenv("TOKENIZERS_PARALLELISM", off)
+        assert parallel_tokenizing._cores() == 1, off
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "true")
+    assert parallel_tokenizing._cores() == 3
 
 
 def test_texts_stay_whole_while_the_cores_are_taken(cores):
     """64 new prompts at once gain nothing from cutting each: a text is cut only into the
-    cores that other texts' pieces leave free, and gives them back."""
+    cores that other texts' pieces leave free, holds them while it runs, and gives them
+    back, also when tokenizing fails."""
     tok = _smollm2()
     pieces = parallel_tokenizing.install(tok)
     text = _long_texts(3)[0]
-    assert pieces.ids(text) is not None and pieces._free == 6
-    pieces._free = 1  # five of the 6 cores run other texts' pieces: nothing to cut with
-    assert pieces.ids(text) is None
-    pieces._free = 2
+    count = parallel_tokenizing.CORES
+    held: list[int] = []
+    real = pieces.backend
+
+    class Watching:
+        def encode_batch(self, parts, **kw):
+            held.append(count.free)
+            return real.encode_batch(parts, **kw)
+
+    pieces.backend = Watching()
     assert pieces.ids(text) == tok(text, add_special_tokens=False)["input_ids"]
-    assert pieces._free == 2
+    assert held == [0] and count.free == 6  # all 6 taken while it ran, then given back
+    count.free = 1  # five cores run other texts' pieces: nothing to cut with
+    assert pieces.ids(text) is None and held == [0]
+    count.free = 2
+
+    class Failing:
+        def encode_batch(self, parts, **kw):
+            raise RuntimeError("boom")
+
+    pieces.backend = Failing()
+    with pytest.raises(RuntimeError):
+        pieces.ids(text)
+    assert count.free == 2
+
+
+def test_a_long_prompt_with_a_bos_is_not_cut_where_special_tokens_are_added(tmp_path, cores):
+    """Pieces add no special tokens: where add_special_tokens=True adds a BOS, a whole new
+    prompt is the tokenizer's own call, BOS first."""
+    tok = _tiny(tmp_path, bos=True)
+    plain = copy.deepcopy(tok)
+    counts = incremental_tokenizer.install(tok)
+    text = "<|im_start|>user\n" + _long_texts(6)[0] + "<|im_end|>"
+    got = tok(text, add_special_tokens=True)["input_ids"]
+    assert got == plain(text, add_special_tokens=True)["input_ids"]
+    assert got[0] == plain.convert_tokens_to_ids("<s>") and counts.pieced_tokens == 0
+    assert list(tok(text + "x", add_special_tokens=False)["input_ids"]) == \
+        plain(text + "x", add_special_tokens=False)["input_ids"]
+    assert counts.pieced_tokens > 0  # without special tokens the same prompt is cut
 
 
 def test_the_router_tokenizes_new_long_prompts_in_pieces_from_many_threads(cores):
