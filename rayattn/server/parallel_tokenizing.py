@@ -163,11 +163,11 @@ def _self_test_texts() -> list[str]:
              "a,b", "(paren)", "--", "\n", "\n\n", "\t", "  ", "<|im_end|>", "'s", "é", "̸x",
              "ǅemal", "ʰa", "Привет", "Ελληνικά", "مرحبا", "नमस्ते", "한국어", "ÀÉÎ", "of the"]
     texts = []
-    for n in (600, 2500, 9000):
+    for n in (600, 2500):  # below the usual model's length limit (transformers warns past it)
         texts.append(" ".join(rng.choice(words) for _ in range(n)))
         texts.append("".join(rng.choice(words) + rng.choice(["", " ", "  ", "\n"])
                              for _ in range(n)))
-    texts.append("word " * 3000)
+    texts.append("word " * 1500)
     return texts
 
 

@@ -11,6 +11,7 @@ chat_template_kwargs included)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 from typing import Any
 
@@ -60,7 +61,8 @@ class PromptRenderer:
         threads = cfg.serve.router_render_threads or min(4, _cores())
         state = await compat.render_state({**engine_kwargs, **compat.renderer_threads(threads)},
                                           frontend_kwargs(cfg))
-        return cls(state.online_renderer)
+        # Off the event loop: installing the tokenizer layers self-tests them (~0.5 s).
+        return await asyncio.to_thread(cls, state.online_renderer)
 
     @property
     def tokenizer(self) -> Any:
