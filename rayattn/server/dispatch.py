@@ -237,6 +237,7 @@ class Dispatcher:
             self.feeds.join(name, info.kv_events, info.kv_events_key, r.handle, rank)
 
     def _left(self, r: Replica) -> None:
+        self._unreachable.pop(r.name, None)
         for name in self._targets(r):
             if self.metrics is not None:
                 self.metrics.left(name)

@@ -96,19 +96,36 @@ def cut_points(text: str, pieces: int) -> list[int]:
     return out
 
 
+def process_cores() -> int:
+    """The CPUs this process may run on (its affinity mask, not cgroup quotas)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _cores() -> int:
+    """The cores the Rust tokenizer's pool may use here: this process's CPUs, bounded by
+    RAYON_NUM_THREADS; 1 where TOKENIZERS_PARALLELISM turns the pool off."""
+    setting = os.environ.get("TOKENIZERS_PARALLELISM")
+    if setting is not None and setting.lower() in ("", "off", "false", "f", "no", "n", "0"):
+        return 1  # as the tokenizers library reads it
+    cores = process_cores()
+    limit = os.environ.get("RAYON_NUM_THREADS", "")
+    return min(cores, int(limit)) if limit.isdigit() and int(limit) > 0 else cores
+
+
 class _Cores:
     """Cores not running a piece now, for the whole process (the Rust tokenizer's thread
     pool is one per process, whatever the models): texts tokenized at once share them, so
     64 new prompts arriving together are not each cut 16 ways onto 16 cores."""
 
     def __init__(self) -> None:
-        self.free: int | None = None
+        self.free = _cores()
         self.lock = threading.Lock()
 
     def take(self, want: int) -> int:
         with self.lock:
-            if self.free is None:
-                self.free = _cores()
             n = min(want, self.free)
             if n < 2:
                 return 0
@@ -117,7 +134,7 @@ class _Cores:
 
     def give(self, n: int) -> None:
         with self.lock:
-            self.free = (self.free or 0) + n
+            self.free += n
 
 
 CORES = _Cores()
@@ -139,6 +156,8 @@ class PieceTokenizer:
     def ids(self, text: str) -> list[int] | None:
         """The ids of `text` (no special tokens added), or None where it is too short to be
         worth cutting or fewer than two cores are free (tokenize it the usual way)."""
+        if len(text) < 2 * MIN_PIECE_CHARS:
+            return None  # most tails of later turns: no lock on the router's request path
         n = CORES.take(len(text) // MIN_PIECE_CHARS)
         if not n:
             return None
@@ -201,17 +220,3 @@ def install(tokenizer: Any) -> PieceTokenizer | None:
         log.info("tokenizing in pieces off: self-test failed with %r", e)
         return None
     return piece_tokenizer
-
-
-def _cores() -> int:
-    """The cores the Rust tokenizer's pool may use here: this process's CPUs, bounded by
-    RAYON_NUM_THREADS; 1 where TOKENIZERS_PARALLELISM turns the pool off."""
-    setting = os.environ.get("TOKENIZERS_PARALLELISM")
-    if setting is not None and setting.lower() in ("", "off", "false", "f", "no", "n", "0"):
-        return 1  # as the tokenizers library reads it
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    limit = os.environ.get("RAYON_NUM_THREADS", "")
-    return min(cores, int(limit)) if limit.isdigit() and int(limit) > 0 else cores

@@ -12,13 +12,13 @@ chat_template_kwargs included)."""
 from __future__ import annotations
 
 import asyncio
-import os
 from typing import Any
 
 from rayattn import compat
 from rayattn.config.plan import frontend_kwargs
 from rayattn.config.schema import RayAttnConfig
 from rayattn.server import incremental_tokenizer
+from rayattn.server.parallel_tokenizing import process_cores
 
 
 class Rendered:
@@ -58,7 +58,7 @@ class PromptRenderer:
 
     @classmethod
     async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
-        threads = cfg.serve.router_render_threads or min(4, _cores())
+        threads = cfg.serve.router_render_threads or min(4, process_cores())
         state = await compat.render_state({**engine_kwargs, **compat.renderer_threads(threads)},
                                           frontend_kwargs(cfg))
         # Off the event loop: installing the tokenizer layers self-tests them (~0.5 s).
@@ -106,13 +106,6 @@ class PromptRenderer:
             return out
         text = request.input if isinstance(request.input, str) else ""
         return Rendered(compat.prompt_token_ids(out.engine_input), text, None)
-
-
-def _cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
 
 
 def _text(content: Any) -> str:
