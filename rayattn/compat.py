@@ -352,14 +352,20 @@ async def serve_autoscales(app: str, deployment: str) -> bool | None:
     """Whether Serve may change a deployment's replica count under load (an
     autoscaling_config with max_replicas above min_replicas), as Serve's controller has it
     now: a live change to the bounds reaches neither the replicas' context nor their args.
-    None: no answer (not under Serve, or Ray's layout differs)."""
+    None: no answer (not under Serve, or Ray's layout differs). Asked for the one
+    deployment's config: the whole instance's details grow with every application and
+    replica, and each engine replica asks every few seconds."""
     try:
-        details = await _serve_controller().get_serve_instance_details.remote()
-        auto = (details["applications"][app]["deployments"][deployment]
-                ["deployment_config"].get("autoscaling_config"))
+        from ray.serve._private.common import DeploymentID
+
+        config = await _serve_controller().get_deployment_config.remote(
+            DeploymentID(name=deployment, app_name=app))
     except Exception:
         return None
-    return bool(auto) and auto.get("max_replicas", 1) > auto.get("min_replicas", 1)
+    if config is None:
+        return None
+    auto = config.autoscaling_config
+    return auto is not None and auto.max_replicas > auto.min_replicas
 
 
 @functools.cache
