@@ -5,21 +5,25 @@ chats (`doc_chat` shapes): each conversation's first turn once, then its second 
 concurrency 1 (one request at a time) and at concurrency N (all second turns at once).
 
     .venv/bin/python bench/render_cost.py [--config deployments/local.yaml] [--model DIR]
-        [--doc-words 650] [--concurrency 1,64] [--threads 1,8] [--out FILE]
+        [--doc-words 650] [--concurrency 1,64] [--threads 1,8] [--processes 1,4] [--out FILE]
 
 Prints p50 / p99 / max per stage (ms) for each threads × concurrency: `first` rows render
 turns nobody has seen (all tokenized), `later` rows the second turns, which the incremental
-tokenizer mostly reuses from the first turn's head."""
+tokenizer mostly reuses from the first turn's head. `--processes N`: N router processes (as
+`serve.ingress_replicas` runs them), each batch of concurrent requests dealt among them
+round robin and started together."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import json
+import multiprocessing as mp
 import os
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -31,6 +35,7 @@ from rayattn.bench.stats import percentile  # noqa: E402
 from rayattn.bench.workloads import doc_chat  # noqa: E402
 from rayattn.config.loader import app_args, load_serve_config, parse_args  # noqa: E402
 from rayattn.config.plan import build_plan  # noqa: E402
+from rayattn.config.schema import RayAttnConfig  # noqa: E402
 from rayattn.routing.core import RoutingCore  # noqa: E402
 from rayattn.server.rendering import PromptRenderer  # noqa: E402
 
@@ -50,14 +55,28 @@ def bodies(n: int, doc_words: int, user_words: int, name: str) -> list[tuple[str
     return out
 
 
-async def measure(cfg, kwargs: dict, threads: int, concurrency: int, doc_words: int,
-                  user_words: int) -> list[dict]:
+def load(config: str, model: str | None) -> tuple[RayAttnConfig, dict]:
+    args = app_args(load_serve_config(config)["applications"][0])
+    if model:
+        args["model"]["source"] = model
+    cfg = parse_args(args)
+    kwargs = dict(build_plan(cfg, prepare_model=True).engine_kwargs)
+    kwargs["max_model_len"] = max(kwargs.get("max_model_len") or 0, 8192)  # the documents
+    return cfg, kwargs
+
+
+async def measure(cfg: RayAttnConfig, kwargs: dict, threads: int, concurrency: int,
+                  doc_words: int, user_words: int, proc: int = 0, procs: int = 1,
+                  barrier: Any = None) -> list[dict]:
+    """One router process's phases (first turns, then later turns). With `procs` > 1 this
+    is router `proc` of several: of each batch of `concurrency` requests it takes every
+    procs-th one (round robin), and every batch starts when all routers reach `barrier`."""
     cfg.serve.router_render_threads = threads
     renderer = await PromptRenderer.create(cfg, kwargs)
     core = RoutingCore(cfg.router.model_dump(), cfg.attention.block_size or 16,
                        hash_algo=cfg.engine.prefix_caching_hash_algo,
                        hash_seed=cfg.engine.hash_seed)
-    rows = []
+    phases = []
     reqs = bodies(max(concurrency, 24), doc_words, user_words, cfg.model.name)
 
     async def one(session: str, raw: bytes, stages: dict[str, list[float]]) -> int:
@@ -80,26 +99,63 @@ async def measure(cfg, kwargs: dict, threads: int, concurrency: int, doc_words: 
         todo = [(s, r[turn - 1]) for s, *r in reqs[1:]]
         inc = renderer.incremental
         pieced_before = inc.pieced_tokens if inc else 0
+        lens = []
         t = time.perf_counter()
-        if concurrency == 1:
-            lens = [await one(s, raw, stages) for s, raw in todo]
-        else:
-            lens = []
-            for i in range(0, len(todo), concurrency):
-                lens += await asyncio.gather(*(one(s, raw, stages)
-                                               for s, raw in todo[i:i + concurrency]))
-        wall = time.perf_counter() - t
-        rows.append({"threads": threads, "concurrency": concurrency,
-                     "turn": "first" if turn == 1 else "later",
-                     "incremental": renderer.incremental is not None,
-                     # Tokens tokenized in pieces on several cores in this phase
-                     # (rayattn/server/parallel_tokenizing.py).
-                     "pieced_tokens": (inc.pieced_tokens if inc else 0) - pieced_before,
-                     "prompt_tokens": sum(lens) / len(lens), "requests": len(lens),
-                     "wall_ms": wall * 1e3,
-                     **{k: {"p50": percentile(sorted(v), 0.5), "p99": percentile(sorted(v), 0.99),
-                            "max": max(v)} for k, v in stages.items()}})
-    return rows
+        for i in range(0, len(todo), concurrency):
+            if barrier is not None:
+                barrier.wait()  # blocks this router's loop: it has nothing else to run
+            share = todo[i:i + concurrency][proc::procs]
+            lens += await asyncio.gather(*(one(s, raw, stages) for s, raw in share))
+        phases.append({"turn": "first" if turn == 1 else "later",
+                       "incremental": inc is not None,
+                       # Tokens tokenized in pieces on several cores in this phase
+                       # (rayattn/server/parallel_tokenizing.py).
+                       "pieced_tokens": (inc.pieced_tokens if inc else 0) - pieced_before,
+                       "lens": lens, "wall_ms": (time.perf_counter() - t) * 1e3,
+                       "stages": stages})
+    return phases
+
+
+def _router(proc: int, procs: int, barrier: Any, out: Any, a: argparse.Namespace,
+            threads: int, concurrency: int) -> None:
+    """One router process of a `--processes` measurement."""
+    cfg, kwargs = load(a.config, a.model)
+    out.put((proc, asyncio.run(measure(cfg, kwargs, threads, concurrency, a.doc_words,
+                                       a.user_words, proc, procs, barrier))))
+
+
+def measure_processes(a: argparse.Namespace, procs: int, threads: int,
+                      concurrency: int) -> list[dict]:
+    """`procs` router processes (serve.ingress_replicas), each with its own renderer, the
+    requests of every batch dealt round robin; their phases merged."""
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs), ctx.Queue()
+    workers = [ctx.Process(target=_router, args=(k, procs, barrier, out, a, threads,
+                                                 concurrency)) for k in range(procs)]
+    for w in workers:
+        w.start()
+    results = [out.get() for _ in workers]
+    for w in workers:
+        w.join()
+    merged = []
+    for i, first in enumerate(results[0][1]):
+        ph = [r[1][i] for r in results]
+        merged.append({**first, "lens": [n for p in ph for n in p["lens"]],
+                       "pieced_tokens": sum(p["pieced_tokens"] for p in ph),
+                       "wall_ms": max(p["wall_ms"] for p in ph),
+                       "stages": {k: [x for p in ph for x in p["stages"][k]] for k in STAGES}})
+    return merged
+
+
+def row(phase: dict, procs: int, threads: int, concurrency: int) -> dict:
+    lens = phase["lens"]
+    return {"processes": procs, "threads": threads, "concurrency": concurrency,
+            "turn": phase["turn"], "incremental": phase["incremental"],
+            "pieced_tokens": phase["pieced_tokens"],
+            "prompt_tokens": sum(lens) / len(lens), "requests": len(lens),
+            "wall_ms": phase["wall_ms"],
+            **{k: {"p50": percentile(sorted(v), 0.5), "p99": percentile(sorted(v), 0.99),
+                   "max": max(v)} for k, v in phase["stages"].items()}}
 
 
 async def main() -> None:
@@ -110,24 +166,30 @@ async def main() -> None:
     ap.add_argument("--user-words", type=int, default=160)
     ap.add_argument("--concurrency", default="1,64")
     ap.add_argument("--threads", default="1,8")
+    ap.add_argument("--processes", default="1",
+                    help="router processes (serve.ingress_replicas) sharing each batch; "
+                         "above 1 only for concurrency above 1")
     ap.add_argument("--out")
     a = ap.parse_args()
-    args = app_args(load_serve_config(a.config)["applications"][0])
-    if a.model:
-        args["model"]["source"] = a.model
-    cfg = parse_args(args)
-    kwargs = dict(build_plan(cfg, prepare_model=True).engine_kwargs)
-    kwargs["max_model_len"] = max(kwargs.get("max_model_len") or 0, 8192)  # the documents
+    cfg, kwargs = load(a.config, a.model)
     rows = []
-    for threads in map(int, a.threads.split(",")):
-        for conc in map(int, a.concurrency.split(",")):
-            rows += await measure(cfg, kwargs, threads, conc, a.doc_words, a.user_words)
-    print("| threads | concurrency | turn | tokens | pieced | parse | validate | "
+    for procs in map(int, a.processes.split(",")):
+        for threads in map(int, a.threads.split(",")):
+            for conc in map(int, a.concurrency.split(",")):
+                if procs == 1:
+                    phases = await measure(cfg, kwargs, threads, conc, a.doc_words,
+                                           a.user_words)
+                elif conc > 1:
+                    phases = await asyncio.to_thread(measure_processes, a, procs, threads, conc)
+                else:
+                    continue
+                rows += [row(p, procs, threads, conc) for p in phases]
+    print("| processes | threads | concurrency | turn | tokens | pieced | parse | validate | "
           "render p50 / p99 | hash | total p50 / p99 / max ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['threads']} | {r['concurrency']} | {r['turn']} | {r['prompt_tokens']:.0f} | "
-              f"{r['pieced_tokens']} | "
+        print(f"| {r['processes']} | {r['threads']} | {r['concurrency']} | {r['turn']} | "
+              f"{r['prompt_tokens']:.0f} | {r['pieced_tokens']} | "
               f"{r['parse']['p50']:.2f} | {r['validate']['p50']:.2f} | "
               f"{r['render']['p50']:.2f} / {r['render']['p99']:.2f} | {r['hash']['p50']:.2f} | "
               f"{r['total']['p50']:.2f} / {r['total']['p99']:.2f} / {r['total']['max']:.2f} |")
