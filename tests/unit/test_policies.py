@@ -85,6 +85,32 @@ def test_engines_on_one_gpu_are_one_unit_for_the_guard():
     assert pol.choose(req(HISTORY + [99]), names).reason == "load_guard"
 
 
+def test_a_new_session_leaves_a_shared_head_for_a_free_batch_beside_it():
+    """Two engines on one GPU, an agent's shared prompt cached on r0 only, r0 past its own
+    batch (requests there queue in its engine) while r1 has free places: a new session of
+    that agent goes to r1 and prefills the prompt there once (a run of such sessions
+    otherwise piles onto r0: 65 % of them on one H100). Under its batch r0 keeps them."""
+    head = list(range(2001, 2021))  # the agent's prompt, 20 blocks
+    batch = {"r0": 8, "r1": 8}
+    device = {"r0": "GPU-0", "r1": "GPU-0"}
+    pol, load, names = busy_holder(5, batch=batch, device=device)
+    pol.index.insert("r0", head)
+    new_session = RouteRequest(head + [5000], (len(head) + 1) * BS, head[0], "s-new",
+                               max_tokens=32)
+    assert pol.choose(new_session, names).replica == "r0"  # room in r0's batch
+    for _ in range(5):  # 10 in flight on r0, 2 of them waiting for a place
+        load.acquire("r0", 0)
+    d = pol.choose(new_session, names)
+    assert d.replica == "r1" and d.reason == "cold"
+    # A conversation whose own long history is on r0 still stays: the wait for a place
+    # costs less than recomputing it.
+    history = list(range(3001, 3241))  # 240 blocks
+    pol.index.insert("r0", history)
+    own = RouteRequest(history + [9], (len(history) + 1) * BS, history[0], "s-old",
+                       max_tokens=32)
+    assert pol.choose(own, names).replica == "r0"
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 16), st.floats(0.0, 1.0), st.integers(0, 2**32))
 def test_bounded_load_property(n, eps, seed):

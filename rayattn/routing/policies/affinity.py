@@ -3,13 +3,19 @@
     cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
               + reloaded_tokens(r) × c_reload
     wait(r) = pending_prefill_tokens(d) × c_prefill + inflight(d) × c_decode
+              + max(0, inflight(r) + 1 - batch(r)) × max_tokens × c_decode
 
 where cached tokens include those r's engine would reload from its host-memory KV tier
 (vLLM's offloading connector), priced at c_reload, between an extend from HBM (free but for
 c_ctx) and a cold prefill: a conversation whose history moved to r's host tier stays with r.
 
 where d is r's device: engines that share a GPU share its throughput, so their queues count
-together and a move between them saves no wait while it recomputes the history.
+together and a move between them saves no wait while it recomputes the history. But each
+engine has its own batch (max_num_seqs, batch(r)): past it a request queues in its engine
+until a running one ends, about max_tokens steps of the batch per request ahead, even while
+an engine beside it on the same GPU has free places. Without that term four agents' shared
+prompts, each cached on one of two engines of one H100, kept 65 % of 128 sessions on one
+engine (docs/gpu.md section 12).
 
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
@@ -85,7 +91,8 @@ class Affinity(Policy):
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
             pending, inflight = device_load.get(r, (0, 0))
-            wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
+            wait = (pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
+                    + self._slot_wait(req, r))
             reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
@@ -131,6 +138,17 @@ class Affinity(Policy):
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
         return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
+
+    def _slot_wait(self, req: RouteRequest, replica: str) -> float:
+        """Waiting for a place in `replica`'s own batch: each request ahead past its engine's
+        max_num_seqs waits for a running one to end, about max_tokens steps of a batch whose
+        step costs c_decode per sequence (the first of B running requests ends in ~max_tokens
+        / B steps). This request's max_tokens stands in for the running ones'."""
+        batch = self.load.batch.get(replica, 0)
+        ahead = self.load.inflight[replica] + 1 - batch
+        if not batch or ahead <= 0:
+            return 0.0
+        return ahead * req.max_tokens * self.cost.decode_s_per_request
 
     def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
         """What running under a LoRA adapter adds on `replica`: loading it where the engine
