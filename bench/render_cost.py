@@ -40,6 +40,8 @@ from rayattn.routing.core import RoutingCore  # noqa: E402
 from rayattn.server.rendering import PromptRenderer  # noqa: E402
 
 STAGES = ("parse", "validate", "render", "hash", "total")
+BARRIER_TIMEOUT_S = 300.0
+"""How long a router process waits for the others at a batch's start (start-up included)."""
 
 
 def bodies(n: int, doc_words: int, user_words: int, name: str) -> list[tuple[str, bytes, bytes]]:
@@ -76,7 +78,7 @@ async def measure(cfg: RayAttnConfig, kwargs: dict, threads: int, concurrency: i
     core = RoutingCore(cfg.router.model_dump(), cfg.attention.block_size or 16,
                        hash_algo=cfg.engine.prefix_caching_hash_algo,
                        hash_seed=cfg.engine.hash_seed)
-    phases = []
+    phases: list[dict] = []
     reqs = bodies(max(concurrency, 24), doc_words, user_words, cfg.model.name)
 
     async def one(session: str, raw: bytes, stages: dict[str, list[float]]) -> int:
@@ -93,17 +95,22 @@ async def measure(cfg: RayAttnConfig, kwargs: dict, threads: int, concurrency: i
             stages[k].append((b - a) * 1e3)
         return len(out.token_ids)
 
+    def together() -> None:
+        if barrier is not None:
+            # Blocks this router's loop, which has nothing else to run.
+            barrier.wait(timeout=BARRIER_TIMEOUT_S)
+
     await one(reqs[0][0], reqs[0][1], {k: [] for k in STAGES})  # warm (template compiled)
     for turn in (1, 2):
         stages: dict[str, list[float]] = {k: [] for k in STAGES}
         todo = [(s, r[turn - 1]) for s, *r in reqs[1:]]
         inc = renderer.incremental
         pieced_before = inc.pieced_tokens if inc else 0
-        lens = []
+        lens: list[int] = []
+        together()  # the wall time starts when every router is ready
         t = time.perf_counter()
         for i in range(0, len(todo), concurrency):
-            if barrier is not None:
-                barrier.wait()  # blocks this router's loop: it has nothing else to run
+            together()
             share = todo[i:i + concurrency][proc::procs]
             lens += await asyncio.gather(*(one(s, raw, stages) for s, raw in share))
         phases.append({"turn": "first" if turn == 1 else "later",
@@ -118,10 +125,16 @@ async def measure(cfg: RayAttnConfig, kwargs: dict, threads: int, concurrency: i
 
 def _router(proc: int, procs: int, barrier: Any, out: Any, a: argparse.Namespace,
             threads: int, concurrency: int) -> None:
-    """One router process of a `--processes` measurement."""
-    cfg, kwargs = load(a.config, a.model)
-    out.put((proc, asyncio.run(measure(cfg, kwargs, threads, concurrency, a.doc_words,
-                                       a.user_words, proc, procs, barrier))))
+    """One router process of a `--processes` measurement. A failure breaks the barrier
+    (the others stop waiting) and is reported as None."""
+    try:
+        cfg, kwargs = load(a.config, a.model)
+        out.put((proc, asyncio.run(measure(cfg, kwargs, threads, concurrency, a.doc_words,
+                                           a.user_words, proc, procs, barrier))))
+    except BaseException:
+        barrier.abort()
+        out.put((proc, None))
+        raise
 
 
 def measure_processes(a: argparse.Namespace, procs: int, threads: int,
@@ -134,13 +147,15 @@ def measure_processes(a: argparse.Namespace, procs: int, threads: int,
                                                  concurrency)) for k in range(procs)]
     for w in workers:
         w.start()
-    results = [out.get() for _ in workers]
+    results = sorted(out.get(timeout=BARRIER_TIMEOUT_S * 4) for _ in workers)
     for w in workers:
         w.join()
+    if any(phases is None for _, phases in results):
+        raise RuntimeError("a router process failed (its traceback is above)")
     merged = []
-    for i, first in enumerate(results[0][1]):
+    for i, proc0 in enumerate(results[0][1]):
         ph = [r[1][i] for r in results]
-        merged.append({**first, "lens": [n for p in ph for n in p["lens"]],
+        merged.append({**proc0, "lens": [n for p in ph for n in p["lens"]],
                        "pieced_tokens": sum(p["pieced_tokens"] for p in ph),
                        "wall_ms": max(p["wall_ms"] for p in ph),
                        "stages": {k: [x for p in ph for x in p["stages"][k]] for k in STAGES}})
@@ -171,12 +186,12 @@ async def main() -> None:
                          "above 1 only for concurrency above 1")
     ap.add_argument("--out")
     a = ap.parse_args()
-    cfg, kwargs = load(a.config, a.model)
     rows = []
     for procs in map(int, a.processes.split(",")):
         for threads in map(int, a.threads.split(",")):
             for conc in map(int, a.concurrency.split(",")):
                 if procs == 1:
+                    cfg, kwargs = load(a.config, a.model)
                     phases = await measure(cfg, kwargs, threads, conc, a.doc_words,
                                            a.user_words)
                 elif conc > 1:

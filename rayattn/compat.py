@@ -360,12 +360,12 @@ async def serve_autoscales(app: str, deployment: str) -> bool | None:
 
         config = await _serve_controller().get_deployment_config.remote(
             DeploymentID(name=deployment, app_name=app))
+        if config is None:  # no such deployment
+            return None
+        auto = config.autoscaling_config
+        return auto is not None and auto.max_replicas > auto.min_replicas
     except Exception:
         return None
-    if config is None:
-        return None
-    auto = config.autoscaling_config
-    return auto is not None and auto.max_replicas > auto.min_replicas
 
 
 @functools.cache

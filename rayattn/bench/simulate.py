@@ -368,7 +368,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             core = cores[rt]
             report_load()
             route = RouteRequest(req.keys, req.prompt_tokens,
-                                 req.keys[0] if req.keys else i, req.session, req.text)
+                                 req.keys[0] if req.keys else i, req.session, req.text,
+                                 max_tokens=req.output_tokens)
             d = core.choose(route, names)
             core.dispatched(d, route)
             ob = 0
@@ -414,8 +415,10 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                        "itl_s": itl}
             if itl is not None:
                 itls.append(itl)
+            # The trace carries block keys, not ids: placeholders of the output's length,
+            # which the KV budget and the cost model count.
             core.finished(s.decision, s.route, Finished(
-                s.req.prompt_tokens, s.cached, timings=timings,
+                s.req.prompt_tokens, s.cached, [0] * s.req.output_tokens, timings=timings,
                 continuation_keys=s.req.output_keys))
             core.ended(s.decision)
             inflight[eng.name] -= 1

@@ -338,7 +338,8 @@ class EngineReplica:
 
 AUTOSCALED_TTL_S = 5.0
 """A live change of the engine deployment's autoscaling bounds reaches routers within this
-(plus a probe period); the controller's answer is the whole Serve instance's details."""
+(plus a probe period), while the controller is asked for this deployment's config once per
+replica per period (compat.serve_autoscales)."""
 
 DRAIN_MARGIN_S = 3.0
 """Of serve.graceful_shutdown_timeout_s, what the direct calls' drain leaves to Serve: its

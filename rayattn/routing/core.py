@@ -345,7 +345,7 @@ class RoutingCore:
         self.policy.on_complete(d.replica, keys)
         self.kv.finished(d.replica, route.session, route.prompt_tokens + len(done.output_ids))
         self.policy.observe(d.replica, done.prompt_tokens - done.cached_tokens, done.timings,
-                            self.load.inflight[d.replica])
+                            self.load.inflight[d.replica], len(done.output_ids))
 
     def ended(self, d: Decision) -> None:
         """The attempt is over (finished, failed or cancelled): its load is released, once

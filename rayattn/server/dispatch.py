@@ -215,8 +215,10 @@ class Dispatcher:
         for i, name in enumerate(names):
             # Engines naming the same GPUs share them (two engines on one GPU).
             device = ",".join(sorted(d for d in _devices(info, len(names), i) if d)) or None
+            # vLLM's max_num_seqs is per DP rank: a target of several ranks batches theirs.
+            batch = info.max_num_seqs * max(1, len(info.ranks) // len(names))
             if not self.core.joined(name, info.block_size, _capacity(info, len(names), i),
-                                    device, info.max_num_seqs, info.host_kv_gib > 0):
+                                    device, batch, info.host_kv_gib > 0):
                 for joined in names[:i]:
                     self.core.left(joined)
                 return False

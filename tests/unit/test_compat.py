@@ -137,3 +137,41 @@ def test_tcpstore_port_race_probe_matches_installed_vllm():
 
     compat.tcpstore_port_race.cache_clear()
     assert compat.tcpstore_port_race() == hasattr(RayExecutorV2, "_select_tcpstore_port")
+
+
+class _Controller:
+    """Serve's controller as compat.serve_autoscales calls it (one deployment's config)."""
+
+    def __init__(self, configs: dict | Exception) -> None:
+        self.configs, self.asked = configs, []
+
+        async def remote(deployment_id):
+            self.asked.append(deployment_id)
+            if isinstance(self.configs, Exception):
+                raise self.configs
+            return self.configs.get((deployment_id.app_name, deployment_id.name))
+
+        self.get_deployment_config = type("Method", (), {"remote": staticmethod(remote)})
+
+
+async def test_serve_autoscales_reads_one_deployments_config(monkeypatch):
+    from ray.serve._private.config import DeploymentConfig
+
+    from rayattn import compat
+
+    def config(**auto):
+        return DeploymentConfig(autoscaling_config=auto or None,
+                                num_replicas=None if auto else 2)
+
+    ctl = _Controller({("app", "elastic"): config(min_replicas=1, max_replicas=3),
+                       ("app", "pinned"): config(min_replicas=2, max_replicas=2),
+                       ("app", "fixed"): config()})
+    monkeypatch.setattr(compat, "_serve_controller", lambda: ctl)
+    assert await compat.serve_autoscales("app", "elastic") is True
+    assert await compat.serve_autoscales("app", "pinned") is False  # bounds equal
+    assert await compat.serve_autoscales("app", "fixed") is False
+    assert await compat.serve_autoscales("app", "gone") is None  # no answer, not "no"
+    assert [(d.app_name, d.name) for d in ctl.asked] == [
+        ("app", "elastic"), ("app", "pinned"), ("app", "fixed"), ("app", "gone")]
+    monkeypatch.setattr(compat, "_serve_controller", lambda: _Controller(RuntimeError("down")))
+    assert await compat.serve_autoscales("app", "elastic") is None

@@ -91,17 +91,16 @@ def test_a_new_session_leaves_a_shared_head_for_a_free_batch_beside_it():
     that agent goes to r1 and prefills the prompt there once (a run of such sessions
     otherwise piles onto r0: 65 % of them on one H100). Under its batch r0 keeps them."""
     head = list(range(2001, 2021))  # the agent's prompt, 20 blocks
-    batch = {"r0": 8, "r1": 8}
-    device = {"r0": "GPU-0", "r1": "GPU-0"}
-    pol, load, names = busy_holder(5, batch=batch, device=device)
+    pol, load, names = busy_holder(7, batch={"r0": 8, "r1": 8},
+                                   device={"r0": "GPU-0", "r1": "GPU-0"})
     pol.index.insert("r0", head)
     new_session = RouteRequest(head + [5000], (len(head) + 1) * BS, head[0], "s-new",
                                max_tokens=32)
-    assert pol.choose(new_session, names).replica == "r0"  # room in r0's batch
-    for _ in range(5):  # 10 in flight on r0, 2 of them waiting for a place
+    assert pol.choose(new_session, names).replica == "r0"  # the 8th place is free
+    for _ in range(3):  # 10 in flight on r0: this request would wait for 3 places
         load.acquire("r0", 0)
     d = pol.choose(new_session, names)
-    assert d.replica == "r1" and d.reason == "cold"
+    assert d.replica == "r1" and d.reason == "batch_wait"
     # A conversation whose own long history is on r0 still stays: the wait for a place
     # costs less than recomputing it.
     history = list(range(3001, 3241))  # 240 blocks
@@ -109,6 +108,30 @@ def test_a_new_session_leaves_a_shared_head_for_a_free_batch_beside_it():
     own = RouteRequest(history + [9], (len(history) + 1) * BS, history[0], "s-old",
                        max_tokens=32)
     assert pol.choose(own, names).replica == "r0"
+    # Without a batch reported there is no place to wait for.
+    load.batch.clear()
+    assert pol.choose(new_session, names).replica == "r0"
+
+
+def test_the_wait_for_a_place_is_priced_by_the_output_requests_run_to():
+    """max_tokens is a cap (256 where the client sends none): the wait for a place counts
+    the output requests actually ran to, so a conversation is not moved off its history for
+    a wait its engine's requests would not make it take; where the wait does outweigh the
+    recompute, the move says so (`batch_wait`)."""
+    history = list(range(3001, 3121))  # 120 blocks of its own history on r0
+    pol, load, names = busy_holder(10, batch={"r0": 8, "r1": 8},
+                                   device={"r0": "GPU-0", "r1": "GPU-0"})
+    pol.index.insert("r0", history)
+    own = RouteRequest(history + [9], (len(history) + 1) * BS, history[0], "s-old")
+    assert own.max_tokens == 256  # no max_tokens sent
+    # Nothing measured yet: the cap stands in, and 3 places of 256 steps outweigh the
+    # recompute of 1.9k tokens.
+    d = pol.choose(own, names)
+    assert d.replica == "r1" and d.reason == "batch_wait"
+    for _ in range(20):  # requests that ran to 16 tokens
+        pol.observe("r0", 0, {}, 10, 16)
+    d = pol.choose(own, names)
+    assert d.replica == "r0" and d.reason == "affinity_hit"
 
 
 @settings(max_examples=100, deadline=None)

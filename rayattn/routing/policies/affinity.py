@@ -3,7 +3,7 @@
     cost(r) = wait(r) + 2 × uncached_tokens(r) × c_prefill + cached_tokens(r) × c_ctx
               + reloaded_tokens(r) × c_reload
     wait(r) = pending_prefill_tokens(d) × c_prefill + inflight(d) × c_decode
-              + max(0, inflight(r) + 1 - batch(r)) × max_tokens × c_decode
+              + max(0, inflight(r) + 1 - batch(r)) × output × c_decode
 
 where cached tokens include those r's engine would reload from its host-memory KV tier
 (vLLM's offloading connector), priced at c_reload, between an extend from HBM (free but for
@@ -12,8 +12,9 @@ c_ctx) and a cold prefill: a conversation whose history moved to r's host tier s
 where d is r's device: engines that share a GPU share its throughput, so their queues count
 together and a move between them saves no wait while it recomputes the history. But each
 engine has its own batch (max_num_seqs, batch(r)): past it a request queues in its engine
-until a running one ends, about max_tokens steps of the batch per request ahead, even while
-an engine beside it on the same GPU has free places. Without that term four agents' shared
+until a running one ends, about `output` steps of the batch (the output requests run to,
+measured; at most this request's max_tokens) for each place it waits for, even while an
+engine beside it on the same GPU has free places. Without that term four agents' shared
 prompts, each cached on one of two engines of one H100, kept 65 % of 128 sessions on one
 engine (docs/gpu.md section 12).
 
@@ -79,6 +80,7 @@ class Affinity(Policy):
         allowed = self.allowed(replicas)
         c = self.cost
         costs: dict[str, float] = {}
+        slots: dict[str, float] = {}
         floor = self.min_match_fraction * req.prompt_tokens
         device_load = self.load.device_load()
         for r in allowed:
@@ -91,8 +93,8 @@ class Affinity(Policy):
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
             pending, inflight = device_load.get(r, (0, 0))
-            wait = (pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
-                    + self._slot_wait(req, r))
+            slots[r] = self._slot_wait(req, r)
+            wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request + slots[r]
             reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
@@ -135,20 +137,29 @@ class Affinity(Policy):
             chosen = rendezvous_rank(key, near)[0] if len(near) > 1 else near[0]
             reason = "affinity_hit" if self.cached_tokens(req, matches.get(chosen, 0)) \
                 >= max(floor, 1) else "cold"
+        home = owner if owner in costs else best_cached if best_cached in costs else None
+        if home is not None and chosen != home and slots[home] > slots[chosen] and \
+                costs[home] - slots[home] <= costs[chosen] - slots[chosen]:
+            # The engine holding its history (or the longest cached prefix) was past its
+            # batch: the wait for a place there outweighed the recompute elsewhere.
+            reason = "batch_wait"
         if best_cached is not None and best_cached not in allowed:
             reason = "load_guard"
         return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
 
     def _slot_wait(self, req: RouteRequest, replica: str) -> float:
-        """Waiting for a place in `replica`'s own batch: each request ahead past its engine's
-        max_num_seqs waits for a running one to end, about max_tokens steps of a batch whose
-        step costs c_decode per sequence (the first of B running requests ends in ~max_tokens
-        / B steps). This request's max_tokens stands in for the running ones'."""
+        """Waiting for a place in `replica`'s own batch: for each place this request waits
+        for past its engine's max_num_seqs, one running request must end, about `output`
+        steps of a batch whose step costs c_decode per sequence (the first of B running
+        requests ends in ~output / B steps). `output` is what requests ran to, measured, at
+        most this request's max_tokens (a cap, 256 where the client sends none)."""
         batch = self.load.batch.get(replica, 0)
-        ahead = self.load.inflight[replica] + 1 - batch
-        if not batch or ahead <= 0:
+        places = self.load.inflight[replica] + 1 - batch
+        if not batch or places <= 0:
             return 0.0
-        return ahead * req.max_tokens * self.cost.decode_s_per_request
+        measured = self.cost.output_tokens
+        output = req.max_tokens if measured is None else min(measured, req.max_tokens)
+        return places * output * self.cost.decode_s_per_request
 
     def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
         """What running under a LoRA adapter adds on `replica`: loading it where the engine
@@ -184,7 +195,8 @@ class Affinity(Policy):
         self.cost.forget(replica)
 
     def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],
-                running: int) -> None:
+                running: int, output_tokens: int) -> None:
+        self.cost.observe_output(output_tokens)
         if timings:
             # Keyed by the replica's name so that a departed replica's measured speed
             # leaves with it (forget_replica).

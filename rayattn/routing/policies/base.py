@@ -146,6 +146,6 @@ class Policy:
         """`replica` left: nothing learned about it may outlive it."""
 
     def observe(self, replica: str, computed_tokens: int, timings: dict[str, Any],
-                running: int) -> None:
-        """Engine timings of a request finished on `replica` (policies with a cost model
-        learn here)."""
+                running: int, output_tokens: int) -> None:
+        """Engine timings of a request finished on `replica` after generating
+        `output_tokens` (policies with a cost model learn here)."""

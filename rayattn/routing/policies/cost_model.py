@@ -21,6 +21,10 @@ class CostModel:
     alpha: float = 0.2
     window: int = 64
     """Finished prefills per engine that the prefill rate is measured over."""
+    output_tokens: float | None = None
+    """Output tokens a request ran to, averaged over finished requests (None until one
+    finishes): what a running request still has to decode, where max_tokens is only a cap
+    (256 where a client sends none, thousands from agent clients)."""
     _spans: dict[str, deque[tuple[float, float, int]]] = field(
         default_factory=dict, init=False, repr=False)
     _rates: dict[str, float] = field(default_factory=dict, init=False, repr=False)
@@ -76,3 +80,12 @@ class CostModel:
             return
         per_seq = min(itl_s / max(running, 1), max(self.decode_s_per_request, 1e-3) * 10)
         self.decode_s_per_request += self.alpha * (per_seq - self.decode_s_per_request)
+
+    def observe_output(self, tokens: int) -> None:
+        """A request finished after generating `tokens`."""
+        if tokens <= 0:
+            return
+        if self.output_tokens is None:
+            self.output_tokens = float(tokens)
+        else:
+            self.output_tokens += self.alpha * (tokens - self.output_tokens)
