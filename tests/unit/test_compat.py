@@ -154,10 +154,9 @@ class _Controller:
         self.get_deployment_config = type("Method", (), {"remote": staticmethod(remote)})
 
 
-async def test_serve_autoscales_reads_one_deployments_config(monkeypatch):
+def test_serve_autoscales_reads_one_deployments_config(monkeypatch):
+    # Plain asyncio.run: the GPU image's pytest has no asyncio plugin.
     from ray.serve._private.config import DeploymentConfig
-
-    from rayattn import compat
 
     def config(**auto):
         return DeploymentConfig(autoscaling_config=auto or None,
@@ -167,11 +166,11 @@ async def test_serve_autoscales_reads_one_deployments_config(monkeypatch):
                        ("app", "pinned"): config(min_replicas=2, max_replicas=2),
                        ("app", "fixed"): config()})
     monkeypatch.setattr(compat, "_serve_controller", lambda: ctl)
-    assert await compat.serve_autoscales("app", "elastic") is True
-    assert await compat.serve_autoscales("app", "pinned") is False  # bounds equal
-    assert await compat.serve_autoscales("app", "fixed") is False
-    assert await compat.serve_autoscales("app", "gone") is None  # no answer, not "no"
+    assert asyncio.run(compat.serve_autoscales("app", "elastic")) is True
+    assert asyncio.run(compat.serve_autoscales("app", "pinned")) is False  # bounds equal
+    assert asyncio.run(compat.serve_autoscales("app", "fixed")) is False
+    assert asyncio.run(compat.serve_autoscales("app", "gone")) is None  # no answer, not "no"
     assert [(d.app_name, d.name) for d in ctl.asked] == [
         ("app", "elastic"), ("app", "pinned"), ("app", "fixed"), ("app", "gone")]
     monkeypatch.setattr(compat, "_serve_controller", lambda: _Controller(RuntimeError("down")))
-    assert await compat.serve_autoscales("app", "elastic") is None
+    assert asyncio.run(compat.serve_autoscales("app", "elastic")) is None
