@@ -186,12 +186,14 @@ async def main() -> None:
                          "above 1 only for concurrency above 1")
     ap.add_argument("--out")
     a = ap.parse_args()
+    loaded: tuple[RayAttnConfig, dict] | None = None  # for the in-process measurements
     rows = []
     for procs in map(int, a.processes.split(",")):
         for threads in map(int, a.threads.split(",")):
             for conc in map(int, a.concurrency.split(",")):
                 if procs == 1:
-                    cfg, kwargs = load(a.config, a.model)
+                    loaded = loaded or load(a.config, a.model)
+                    cfg, kwargs = loaded
                     phases = await measure(cfg, kwargs, threads, conc, a.doc_words,
                                            a.user_words)
                 elif conc > 1:

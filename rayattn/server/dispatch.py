@@ -215,10 +215,8 @@ class Dispatcher:
         for i, name in enumerate(names):
             # Engines naming the same GPUs share them (two engines on one GPU).
             device = ",".join(sorted(d for d in _devices(info, len(names), i) if d)) or None
-            # vLLM's max_num_seqs is per DP rank: a target of several ranks batches theirs.
-            batch = info.max_num_seqs * max(1, len(info.ranks) // len(names))
             if not self.core.joined(name, info.block_size, _capacity(info, len(names), i),
-                                    device, batch, info.host_kv_gib > 0):
+                                    device, _batch(info, len(names)), info.host_kv_gib > 0):
                 for joined in names[:i]:
                     self.core.left(joined)
                 return False
@@ -663,6 +661,12 @@ def _capacity(info: EngineInfo, targets: int, i: int) -> int:
     """KV blocks of target `i` of an engine routed to as `targets` targets: a rank's own
     where each rank is one, else the engine's (vLLM's sum over its ranks)."""
     return info.ranks[i].num_gpu_blocks if targets > 1 else info.num_gpu_blocks
+
+
+def _batch(info: EngineInfo, targets: int) -> int:
+    """Requests one target runs in a batch: vLLM's max_num_seqs is per DP rank, so a target
+    of several ranks (the engine routed as one) batches theirs."""
+    return info.max_num_seqs * max(1, len(info.ranks) // targets)
 
 
 def _devices(info: EngineInfo, targets: int, i: int) -> list[str | None]:

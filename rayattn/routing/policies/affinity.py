@@ -157,9 +157,7 @@ class Affinity(Policy):
         places = self.load.inflight[replica] + 1 - batch
         if not batch or places <= 0:
             return 0.0
-        measured = self.cost.output_tokens
-        output = req.max_tokens if measured is None else min(measured, req.max_tokens)
-        return places * output * self.cost.decode_s_per_request
+        return places * self.cost.expected_output(req.max_tokens) * self.cost.decode_s_per_request
 
     def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
         """What running under a LoRA adapter adds on `replica`: loading it where the engine

@@ -89,3 +89,7 @@ class CostModel:
             self.output_tokens = float(tokens)
         else:
             self.output_tokens += self.alpha * (tokens - self.output_tokens)
+
+    def expected_output(self, max_tokens: int) -> float:
+        """Output a request will run to: the measured average, at most its cap."""
+        return max_tokens if self.output_tokens is None else min(self.output_tokens, max_tokens)
