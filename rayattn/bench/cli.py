@@ -321,7 +321,8 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
     from rayattn.config.plan import build_plan
 
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
-    stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port)
+    stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port,
+                             tuple(a.ray_llm_policies.split(",")))
     try:
         stack.start()
 

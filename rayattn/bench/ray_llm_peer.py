@@ -4,14 +4,24 @@ with one of its request routers, as a user of Ray Serve would deploy it.
 Policies:
   * `prefix_cache_affinity`: `PrefixCacheAffinityRouter` (a character-level prefix tree of
     the messages' text, shared by the ingress replicas; its defaults, as a user gets them);
+  * `kv_aware`: `KVAwareRouter` (the engines' KV events in an index of token blocks, and
+    each engine's token load: its queued prefill and running decode work), set up as Ray's
+    guide has it: direct streaming behind Serve's HAProxy ingress, the request body
+    forwarded to the ingress request router, which tokenizes the prompt and scores every
+    engine with NVIDIA Dynamo's selection service (`ai-dynamo-runtime`);
   * `power_of_two`: Serve's default router (queue lengths only).
 
-`KVAwareRouter` is not offered: it runs only in Ray Serve LLM's direct-streaming mode
-behind Serve's HAProxy ingress (`RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING`,
-`RAY_SERVE_ENABLE_HA_PROXY`, the request body forwarded to the ingress router), and its
-selection service comes from `ai-dynamo-runtime`, whose pin (`pydantic<=2.13.5`) conflicts
-with the pydantic (2.14) this environment runs; under the plain OpenAI app it
-silently picks replicas at random. Running it as that would measure a random router.
+`kv_aware` needs `ai-dynamo-runtime` installed beside Ray. Its metadata pins
+`pydantic<=2.13.5` while this environment runs pydantic 2.14, so a resolver refuses it; the
+selection service imports and runs with 2.14 (it uses pydantic only in modules the router
+does not load), so install it without its dependencies:
+`pip install --no-deps ai-dynamo-runtime==1.6.1` (its other one, uvloop, vLLM already
+needs). Direct streaming is a setting of the whole Ray cluster, read when Serve and Ray
+Serve LLM start: with `kv_aware` in the list every policy of the invocation runs on it.
+Ray 2.60's KV-aware tokenizer imports `load_chat_template` from `vllm.entrypoints.chat_utils`,
+the module vLLM 0.29 (Ray's pin) had; vLLM 0.32 moved it to `vllm.renderers.chat_utils`
+unchanged. The rival's Ray workers get the old name back (`restore_moved_vllm_modules`, a
+worker setup hook); nothing else of it is touched.
 
 The engines get the deployment's exact engine settings (the same `engine_kwargs` and
 environment as rayattn's and the `vllm serve` peer's).
@@ -19,6 +29,7 @@ environment as rayattn's and the `vllm serve` peer's).
 
 from __future__ import annotations
 
+import os
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -29,15 +40,20 @@ if TYPE_CHECKING:
 
 RAY_LLM_POLICIES = {
     "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
+    "kv_aware": "ray.serve.llm.request_router.KVAwareRouter",
     "power_of_two": None,
 }
 _APP = "ray-serve-llm"
+# What Ray's KV-aware routing guide exports before Serve starts (HAProxy: front_door).
+DIRECT_STREAMING_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
+                        "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
 
 
 class RayServeLLMStack:
     """One Ray Serve LLM app at a time on a Ray cluster this object starts and ends."""
 
-    def __init__(self, plan: Plan, model_id: str, port: int) -> None:
+    def __init__(self, plan: Plan, model_id: str, port: int,
+                 policies: tuple[str, ...] = ()) -> None:
         if plan.config.engine.kv_offload.enabled:
             # Its reset (LLMServer.reset_prefix_cache) leaves a host tier warm between runs.
             raise SystemExit("--peer ray-serve-llm: not with engine.kv_offload (Ray Serve "
@@ -45,6 +61,16 @@ class RayServeLLMStack:
         self.plan, self.model_id, self.port = plan, model_id, port
         self.url = f"http://127.0.0.1:{port}"
         self.policy: str | None = None
+        self.direct = "kv_aware" in policies
+        """Direct streaming (LLMServer replicas are the ingress), as KVAwareRouter needs."""
+        if self.direct:
+            import importlib.util
+
+            if importlib.util.find_spec("dynamo") is None:
+                raise SystemExit(
+                    "--ray-llm-policies kv_aware: KVAwareRouter's selection service is not "
+                    "installed; `pip install --no-deps ai-dynamo-runtime==1.6.1` (its "
+                    "pydantic pin is declared only; see rayattn/bench/ray_llm_peer.py)")
 
     def start(self) -> None:
         from rayattn.server import front_door
@@ -52,13 +78,24 @@ class RayServeLLMStack:
         # The same front door as rayattn's (Serve's HAProxy), whichever stack ran first in
         # this process: the contest is between routers, not between Serve's ingress modes.
         front_door.apply()
+        if self.direct:
+            os.environ.update(DIRECT_STREAMING_ENV)
+            from ray.llm._internal.serve import constants
+
+            # Read when Ray Serve LLM is first imported: in this process it must not have
+            # been imported before (the cluster started below inherits the variables).
+            if not constants.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING:
+                raise RuntimeError("Ray Serve LLM was imported before direct streaming "
+                                   "was set: run kv_aware in an invocation of its own")
         import ray
         from ray import serve
 
         # Logical CPUs: each engine replica's bundle holds its actor and its engine, the
         # ingress and the prefix-tree actor need one each; the cores are the same two.
         # A cluster of its own ("local"), never one this machine happens to run.
-        ray.init(address="local", num_cpus=8, include_dashboard=False)
+        hook = {"runtime_env": {"worker_process_setup_hook":
+                                f"{__name__}.restore_moved_vllm_modules"}} if self.direct else {}
+        ray.init(address="local", num_cpus=8, include_dashboard=False, **hook)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
     def llm_config(self, policy: str) -> LLMConfig:
@@ -92,9 +129,11 @@ class RayServeLLMStack:
         t0 = time.time()
         if self.policy:
             serve.delete(_APP, _blocking=True)
-        app = build_openai_app({"llm_configs": [self.llm_config(policy)],
-                                "ingress_deployment_config":
-                                {"ray_actor_options": {"num_cpus": 0}}})
+        # Direct streaming has no ingress deployment of its own (the engine replicas are it;
+        # its request router takes no CPU of the bundles).
+        ingress = {} if self.direct else {"ingress_deployment_config":
+                                          {"ray_actor_options": {"num_cpus": 0}}}
+        app = build_openai_app({"llm_configs": [self.llm_config(policy)], **ingress})
         serve.run(app, name=_APP, route_prefix="/", blocking=False)
         deadline = time.time() + timeout
         while time.time() < deadline:
@@ -145,3 +184,15 @@ class RayServeLLMStack:
             finally:
                 ray.shutdown()
         self.policy = None
+
+
+def restore_moved_vllm_modules() -> None:
+    """In each of the rival's Ray workers: `vllm.entrypoints.chat_utils` under its old name
+    where the installed vLLM moved it (Ray 2.60 was built against vLLM 0.29)."""
+    import importlib
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm.entrypoints.chat_utils") is None:
+        sys.modules["vllm.entrypoints.chat_utils"] = \
+            importlib.import_module("vllm.renderers.chat_utils")

@@ -54,6 +54,30 @@ def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
     assert set(plan.env.items()) <= set(engine.runtime_env["env_vars"].items())
 
 
+
+def test_kv_aware_peer_is_set_up_as_rays_guide_has_it(monkeypatch):
+    """KVAwareRouter: its router class on the engine deployment, direct streaming asked for,
+    and without Dynamo's selection service a clear stop before anything starts (not a
+    router that silently picks at random)."""
+    import importlib.util
+
+    from rayattn.bench.ray_llm_peer import RayServeLLMStack
+
+    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "dynamo" else find(name, *a))
+    with pytest.raises(SystemExit, match="--no-deps ai-dynamo-runtime"):
+        RayServeLLMStack(plan, "smollm2", 8200, ("prefix_cache_affinity", "kv_aware"))
+    assert not RayServeLLMStack(plan, "smollm2", 8200, ("prefix_cache_affinity",)).direct
+
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    stack = RayServeLLMStack(plan, "smollm2", 8200, ("kv_aware",))
+    assert stack.direct
+    router = stack.llm_config("kv_aware").deployment_config["request_router_config"]
+    assert router["request_router_class"].endswith(".KVAwareRouter")
+
 def test_ratios_are_against_the_best_peer_that_answered_everything():
     """A rival that lost requests finishes early and reports no throughput: it must never
     become the baseline every other row is divided by."""
