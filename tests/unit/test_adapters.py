@@ -86,6 +86,22 @@ def test_a_busy_slot_costs_more_than_loading_the_adapter_elsewhere():
     assert c.choose(c.request(prompt(3), adapter="poet"), ["a", "b"]).replica == "a"
 
 
+def test_the_slot_wait_is_the_output_requests_run_to_not_their_cap():
+    """Requests seen to end after 4 tokens free `a`'s slot long before loading poet on `b`
+    would be done: poet waits where it is loaded, though no max_tokens is sent (the
+    256-token cap alone would send it to load elsewhere)."""
+    c = core(slots=1, cached=2)
+    c.adapters.dispatched("b", "pirate")
+    c.adapters.ended("b", "pirate")
+    route = c.request(prompt(1), adapter="sage")
+    c.dispatched(c.choose(route, ["a"]), route)
+    assert c.adapters.waits_for_slot("a", "poet")
+    assert c.choose(c.request(prompt(2), adapter="poet"), ["a", "b"]).replica == "b"
+    for _ in range(20):
+        c.policy.cost.observe_output(4)
+    assert c.choose(c.request(prompt(3), adapter="poet"), ["a", "b"]).replica == "a"
+
+
 def test_residency_is_vllms_lru_and_a_replica_that_leaves_holds_nothing():
     res = AdapterResidency(slots=1, cached=2)
     for name in ("x", "y", "x", "z"):  # z evicts y, the least recently used

@@ -162,14 +162,16 @@ class Affinity(Policy):
     def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
         """What running under a LoRA adapter adds on `replica`: loading it where the engine
         does not hold it, and waiting for a batch slot where every slot runs another
-        adapter (about one running request's decode: its max_tokens steps of the batch)."""
+        adapter (about one running request's decode: the output requests run to, measured,
+        at most this one's max_tokens, in steps of the batch)."""
         if req.adapter is None:
             return 0.0
         c, cost = self.cost, 0.0
         if not self.adapters.holds(replica, req.adapter):
             cost += c.adapter_load_s
         if self.adapters.waits_for_slot(replica, req.adapter):
-            cost += req.max_tokens * c.decode_s_per_request * max(self.load.inflight[replica], 1)
+            cost += c.expected_output(req.max_tokens) * c.decode_s_per_request * \
+                max(self.load.inflight[replica], 1)
         return cost
 
     @staticmethod
