@@ -24,6 +24,9 @@ Differences handled here:
   * device reporting: engines report the UUIDs of the GPUs their workers run on through a
     vLLM worker extension (`collective_rpc`), on every version in the range.
 
+Not here: Ray 2.60's KV-aware tokenizer imports a module vLLM 0.32 moved; that serves only
+a rival's processes in the benchmark (rayattn/bench/ray_llm_peer.py).
+
 Module-level imports are standard library only: vLLM's worker processes import this module
 (the worker extension) and `rayattn check` must not need vLLM or Ray.
 """

