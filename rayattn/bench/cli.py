@@ -321,8 +321,9 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
     from rayattn.config.plan import build_plan
 
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
+    policies = a.ray_llm_policies.split(",")
     stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port,
-                             tuple(a.ray_llm_policies.split(",")))
+                             tuple(policies))
     try:
         stack.start()
 
@@ -332,9 +333,8 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
                 print(f"Ray Serve LLM ({policy}) up in {took:.1f}s")
             stack.reset_caches()
 
-        run_matrix("ray-serve-llm", stack.url, a.model, workloads,
-                   a.ray_llm_policies.split(","), prepare, a.concurrency, a.block_size, tok,
-                   a.runs, a.rate, table, raw, a.think_s)
+        run_matrix("ray-serve-llm", stack.url, a.model, workloads, policies, prepare,
+                   a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
     finally:
         stack.stop()
 

@@ -12,13 +12,17 @@ from rayattn.config.plan import build_plan
 from tests.conftest import ROOT
 
 
+def local_plan():
+    """deployments/local.yaml's plan, its model prepared (cached after the first time)."""
+    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    return build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+
+
 def test_serve_flags_round_trip_through_vllms_parser():
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    # vLLM's parser resolves the model: prepare it (cached after the first time).
-    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+    plan = local_plan()  # vLLM's parser resolves the model: prepared (cached) there
     kw = dict(plan.engine_kwargs)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     ns = parser.parse_args(["--model", kw["model"], *serve_flags(kw)])
@@ -36,8 +40,7 @@ def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
 
     from rayattn.bench.ray_llm_peer import RayServeLLMStack
 
-    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+    plan = local_plan()
     stack = RayServeLLMStack(plan, "smollm2", 8200)
     cfg = stack.llm_config("prefix_cache_affinity")
     engine = VLLMEngineConfig.from_llm_config(cfg)
@@ -65,8 +68,7 @@ def test_kv_aware_peer_is_set_up_as_rays_guide_has_it(monkeypatch):
     from rayattn.bench.ray_llm_peer import RayServeLLMStack
     from rayattn.server import front_door
 
-    args = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
-    plan = build_plan(parse_args(args["applications"][0]["args"]), prepare_model=True)
+    plan = local_plan()
     find = importlib.util.find_spec
     dynamo: list[object | None] = [None]
     monkeypatch.setattr(importlib.util, "find_spec",

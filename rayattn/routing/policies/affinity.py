@@ -157,7 +157,7 @@ class Affinity(Policy):
         places = self.load.inflight[replica] + 1 - batch
         if not batch or places <= 0:
             return 0.0
-        return places * self.cost.expected_output(req.max_tokens) * self.cost.decode_s_per_request
+        return places * self.cost.request_decode_s(req.max_tokens)
 
     def _adapter_cost(self, req: RouteRequest, replica: str) -> float:
         """What running under a LoRA adapter adds on `replica`: loading it where the engine
@@ -170,8 +170,7 @@ class Affinity(Policy):
         if not self.adapters.holds(replica, req.adapter):
             cost += c.adapter_load_s
         if self.adapters.waits_for_slot(replica, req.adapter):
-            cost += c.expected_output(req.max_tokens) * c.decode_s_per_request * \
-                max(self.load.inflight[replica], 1)
+            cost += c.request_decode_s(req.max_tokens) * max(self.load.inflight[replica], 1)
         return cost
 
     @staticmethod

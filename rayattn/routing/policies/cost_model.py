@@ -93,3 +93,8 @@ class CostModel:
     def expected_output(self, max_tokens: int) -> float:
         """Output a request will run to: the measured average, at most its cap."""
         return max_tokens if self.output_tokens is None else min(self.output_tokens, max_tokens)
+
+    def request_decode_s(self, max_tokens: int) -> float:
+        """A running request's decode, in steps of its batch priced per sequence: what a
+        newcomer waits, per running request, for a place (a batch slot, an adapter slot)."""
+        return self.expected_output(max_tokens) * self.decode_s_per_request
