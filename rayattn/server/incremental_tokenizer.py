@@ -197,6 +197,7 @@ def install(tokenizer: Any) -> Counts | None:
             ids = piece_tokenizer.ids(text)
             if ids is not None:
                 return ids, True
+            return piece_tokenizer.whole(text), False
         return list(base.__call__(self, text, add_special_tokens=special)["input_ids"]), False
 
     def __call__(self: Any, text: Any = None, *args: Any, **kwargs: Any) -> Any:
@@ -226,8 +227,7 @@ def install(tokenizer: Any) -> Counts | None:
             # Longer than vLLM lets through: its own call, truncation and error included.
             return base.__call__(self, text, **kwargs)
         if cuts[-1] > at:  # the next turn starts from this prompt's last boundary
-            tail_len = len(base.__call__(self, text[cuts[-1]:],
-                                         add_special_tokens=False)["input_ids"])
+            tail_len = len(own_ids(self, text[cuts[-1]:], False)[0])
             heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
         return _encoding(ids)
 
