@@ -32,7 +32,11 @@ if [ $snap_only = 0 ]; then
   mkdir -p $dir
   grep -v '^#' "$shared/wheels-vllm0.25-ray2.60.txt" | grep . > $dir/list.txt
   printf 'vllm-router==0.1.17\norjson==3.13.0\n' >> $dir/list.txt
-  bash "$shared/stage-wheels.sh" $dir $dir/list.txt 2>&1 | grep -v "^WARNING: Location"
+  # A call carries the working tree with its bundle, 64 MiB in all: bundles of what is left
+  # (the tree's files, rounded up, and 2 MiB for files added before the calls).
+  tree_mib=$(git ls-files -z | du -c --files0-from=- -BM 2>/dev/null | tail -1 | tr -dc 0-9)
+  bash "$shared/stage-wheels.sh" $dir $dir/list.txt $((62 - tree_mib)) 2>&1 \
+    | grep -v "^WARNING: Location"
 fi
 last=$(ls -d $dir/b[0-9][0-9] 2>/dev/null | tail -1)
 if [ -z "$last" ] || [ ! -f "$last/MANIFEST" ]; then

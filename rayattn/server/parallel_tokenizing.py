@@ -34,12 +34,18 @@ from typing import Any
 
 log = logging.getLogger("rayattn.router")
 
-MIN_PIECE_CHARS = 256
-"""~60 tokens. A hand-off to the thread pool costs microseconds, a token about one: on 2 free
-cores of this project's CI machine kind, 2 pieces took 0.60× the whole text's time at 256
-characters and 0.50× at 1,024 (SmolLM2's tokenizer, `encode` against `encode_batch` of the
-halves, 2026-11-26). So a later turn's new text (1–3k characters) is cut too, not only a
-new document."""
+MIN_CUT_CHARS = 512
+"""Texts from here are cut, in two at least. A hand-off to the thread pool costs microseconds,
+a token about one: on 2 free cores of this project's CI machine kind, two halves took 0.60×
+the whole text's time at 256 characters each and 0.50× at 1,024 (SmolLM2's tokenizer,
+`encode` against `encode_batch` of the halves, 2026-11-26). So a later turn's new text
+(1–3k characters) is cut too, not only a new document."""
+
+PIECE_CHARS = 1024
+"""One piece per this many characters of a longer text, as the free cores allow. Smaller
+pieces of a new document gained nothing with 64 prompts at once on a 16-core host (eight
+router processes, the Rust pools of all of them on the same cores: first turns' p99 34 ms
+with pieces from 256 characters against 32 ms from 1,024, docs/benchmarks.md)."""
 
 _CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 """Candidates for a cut: one plain space (U+0020) between word characters that are not
@@ -160,9 +166,9 @@ class PieceTokenizer:
     def ids(self, text: str) -> list[int] | None:
         """The ids of `text` (no special tokens added), or None where it is too short to be
         worth cutting or fewer than two cores are free (tokenize it the usual way)."""
-        if len(text) < 2 * MIN_PIECE_CHARS:
-            return None  # most tails of later turns: no lock on the router's request path
-        n = CORES.take(len(text) // MIN_PIECE_CHARS)
+        if len(text) < MIN_CUT_CHARS:
+            return None  # a short tail: no lock on the router's request path
+        n = CORES.take(max(2, len(text) // PIECE_CHARS))
         if not n:
             return None
         try:

@@ -41,6 +41,12 @@ def test_pieces_give_the_whole_texts_ids(which, tmp_path, cores):
         assert parallel_tokenizing.cut_points(text, 4)  # it does cut these
         assert pieces.ids(text) == tok(text, add_special_tokens=False)["input_ids"]
     assert pieces.ids("short text") is None  # not worth cutting: tokenized the usual way
+    # A later turn's new text (~150 words): cut in two, still exact.
+    for text in _long_texts(2):
+        tail = text[:parallel_tokenizing.MIN_CUT_CHARS + 300]
+        assert parallel_tokenizing.cut_points(tail, 2)
+        assert pieces.ids(tail) == tok(tail, add_special_tokens=False)["input_ids"]
+        assert pieces.whole(tail) == tok(tail, add_special_tokens=False)["input_ids"]
 
 
 def test_cuts_fall_between_a_letter_and_a_spaced_letter():
