@@ -34,7 +34,10 @@ if [ $snap_only = 0 ]; then
   printf 'vllm-router==0.1.17\norjson==3.13.0\n' >> $dir/list.txt
   # A call carries the working tree with its bundle, 64 MiB in all: bundles of what is left
   # (the tree's files, rounded up, and 2 MiB for files added before the calls).
-  tree_mib=$(git ls-files -z | du -c --files0-from=- -BM 2>/dev/null | tail -1 | tr -dc 0-9)
+  tree_mib=$(git ls-files -z | du -c --files0-from=- -BM 2>/dev/null | tail -1 | tr -dc 0-9 || true)
+  if [ -z "$tree_mib" ] || [ "$tree_mib" -ge 40 ]; then
+    echo "the tracked tree is ${tree_mib:-?} MiB: too large to carry with the wheels" >&2; exit 1
+  fi
   bash "$shared/stage-wheels.sh" $dir $dir/list.txt $((62 - tree_mib)) 2>&1 \
     | grep -v "^WARNING: Location"
 fi

@@ -185,8 +185,8 @@ def install(tokenizer: Any) -> Counts | None:
     heads, counts = HeadCache(), Counts()
     base = type(tokenizer)
     piece_tokenizer = parallel_tokenizing.install(tokenizer)
-    # Where add_special_tokens=True adds nothing, a text's ids are the same either way and
-    # may be tokenized in pieces (which add none).
+    # Where add_special_tokens=True adds nothing, a text's ids are the same either way: it
+    # may be tokenized in pieces or whole by the piece tokenizer's backend (neither adds any).
     adds_nothing = piece_tokenizer is not None and \
         list(base.__call__(tokenizer, "x", add_special_tokens=True)["input_ids"]) == \
         list(base.__call__(tokenizer, "x", add_special_tokens=False)["input_ids"])

@@ -165,7 +165,8 @@ class PieceTokenizer:
 
     def ids(self, text: str) -> list[int] | None:
         """The ids of `text` (no special tokens added), or None where it is too short to be
-        worth cutting or fewer than two cores are free (tokenize it the usual way)."""
+        worth cutting, fewer than two cores are free or it has no place to cut (tokenize it
+        whole)."""
         if len(text) < MIN_CUT_CHARS:
             return None  # a short tail: no lock on the router's request path
         n = CORES.take(max(2, len(text) // PIECE_CHARS))
@@ -178,10 +179,13 @@ class PieceTokenizer:
             CORES.give(n)
 
     def whole(self, text: str) -> list[int]:
-        """The ids of `text` (no special tokens added) in one call of the Rust tokenizer:
-        what transformers' call returns, without its Python around it (~40–100 µs a call,
-        as much as tokenizing a short tail)."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """The ids of `text` (no special tokens added) in one call of the Rust tokenizer: for
+        a tokenizer `install` took, what transformers' call returns, without its Python
+        around it (~40–100 µs a call, as much as tokenizing a short tail). Through
+        `encode_batch`, as transformers calls it: `encode` would hold the GIL while it
+        tokenizes, and a new document the cores leave uncut takes milliseconds, in which
+        the router's event loop and its other renderer threads must run."""
+        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode(self, text: str, cuts: list[int]) -> list[int]:
         bounds = [0, *cuts, len(text)]
@@ -223,6 +227,10 @@ def install(tokenizer: Any) -> PieceTokenizer | None:
             normalized = norm.normalize_str(text) if norm is not None else text
             starts = {a for _, (a, _) in pre.pre_tokenize_str(normalized)}
             own = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if piece_tokenizer.whole(text) != own:
+                log.info("tokenizing in pieces off: %s's backend alone gives other ids",
+                         type(tokenizer).__name__)
+                return None
             for n in (2, 3, 7):
                 if not set(cut_points(normalized, n)) <= starts:
                     log.info("tokenizing in pieces off: %s starts no pre-token at a cut",

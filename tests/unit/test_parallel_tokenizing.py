@@ -190,6 +190,52 @@ def test_a_long_prompt_with_a_bos_is_not_cut_where_special_tokens_are_added(tmp_
     assert counts.pieced_tokens > 0  # without special tokens the same prompt is cut
 
 
+@pytest.mark.parametrize("which", ["smollm2", "tiny-bos"])
+def test_a_later_turns_new_text_is_cut_and_nothing_goes_through_transformers(
+        which, tmp_path, cores, monkeypatch):
+    """With cores to spare, every turn of a chat gets the plain tokenizer's ids; a later
+    turn's new text of a few hundred words is tokenized in pieces, and what is not cut (the
+    prompt's last tail, short messages) goes to the Rust tokenizer alone: transformers' own
+    call is made only for a new prompt where add_special_tokens=True adds a token (tiny-bos's
+    BOS)."""
+    tok = _smollm2() if which == "smollm2" else _tiny(tmp_path, bos=True)
+    plain = copy.deepcopy(tok)
+    counts = incremental_tokenizer.install(tok)
+    assert counts is not None
+    base = type(plain)
+    own_calls: list[bool] = []
+    real_call = base.__call__
+
+    def counted(self, *args, **kwargs):
+        if self is tok:
+            own_calls.append(kwargs.get("add_special_tokens", True))
+        return real_call(self, *args, **kwargs)
+
+    monkeypatch.setattr(base, "__call__", counted)
+    rng = random.Random(9)
+    doc = _long_texts(7)[0]
+    for special in (False, True):
+        msgs = [{"role": "system", "content": doc + f" ({special})"}]
+        for turn in range(3):
+            # ~800 characters: more than a piece, less than two pieces of 1,024 (which were
+            # needed before a later turn's text was cut at all).
+            words = rng.choices(AWKWARD[:3] + ["plain", "words", "of", "the", "user"], k=90)
+            msgs.append({"role": "user", "content": " ".join(words)})
+            assert 600 < len(msgs[-1]["content"]) < 1000
+            text = plain.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+            before = counts.pieced_tokens
+            got = tok(text, add_special_tokens=special)["input_ids"]
+            assert list(got) == real_call(plain, text, add_special_tokens=special)["input_ids"]
+            if turn:
+                assert counts.pieced_tokens > before, (special, turn)  # the new text was cut
+            msgs.append({"role": "assistant", "content": rng.choice(AWKWARD)})
+    # tiny-bos: the first prompt with its BOS; its later turns reuse that head.
+    assert own_calls == ([True] if which == "tiny-bos" else [])
+    pieces = parallel_tokenizing.install(plain)
+    for text in AWKWARD:
+        assert pieces.whole(text) == real_call(plain, text, add_special_tokens=False)["input_ids"]
+
+
 def test_the_router_tokenizes_new_long_prompts_in_pieces_from_many_threads(cores):
     """As the router runs it: vLLM's pool of tokenizer copies, the incremental layer on top,
     several threads at once, some calls truncating: exact ids, and the long new prompts
