@@ -43,9 +43,9 @@ the whole text's time at 256 characters each and 0.50× at 1,024 (SmolLM2's toke
 
 PIECE_CHARS = 1024
 """One piece per this many characters of a longer text, as the free cores allow. Smaller
-pieces of a new document gained nothing with 64 prompts at once on a 16-core host (eight
-router processes, the Rust pools of all of them on the same cores: first turns' p99 34 ms
-with pieces from 256 characters against 32 ms from 1,024, docs/benchmarks.md)."""
+pieces of a new document showed no gain with 64 prompts at once on a 16-core host, where
+eight router processes' Rust pools share the cores (first turns' p99 34 ms with pieces from
+256 characters against 32 ms from 1,024; two runs a side, docs/benchmarks.md)."""
 
 _CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 """Candidates for a cut: one plain space (U+0020) between word characters that are not
