@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -204,7 +205,17 @@ def shared_by_two_keys(server):
     url = f"{server}/fair"
     wait_healthy(url)
     yield url
-    serve.delete("fair")
+    # Serve lets the leaving router finish its in-flight requests (serve's
+    # graceful_shutdown_timeout_s): the greedy key's cancelled streams, most of them queued
+    # behind its cap, can take it past serve.delete's own 60 s wait on 2 shared cores (seen
+    # once in a fresh clone).
+    serve.delete("fair", _blocking=False)
+    from rayattn.config.loader import parse_args
+
+    deadline = time.monotonic() + parse_args(args).serve.graceful_shutdown_timeout_s + 60
+    while "fair" in serve.status().applications:
+        assert time.monotonic() < deadline, "the fair router did not leave"
+        time.sleep(1)
 
 
 def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):
