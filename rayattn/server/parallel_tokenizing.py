@@ -181,11 +181,11 @@ class PieceTokenizer:
     def whole(self, text: str) -> list[int]:
         """The ids of `text` (no special tokens added) in one call of the Rust tokenizer: for
         a tokenizer `install` took, what transformers' call returns, without its Python
-        around it (~40–100 µs a call, as much as tokenizing a short tail). Through
-        `encode_batch`, as transformers calls it: `encode` would hold the GIL while it
-        tokenizes, and a new document the cores leave uncut takes milliseconds, in which
-        the router's event loop and its other renderer threads must run."""
-        return self.backend.encode_batch([text], add_special_tokens=False)[0].ids
+        around it (~40–100 µs a call, as much as tokenizing a short tail). One piece through
+        `encode_batch`, as transformers calls it: the backend's `encode` would hold the GIL
+        while it tokenizes, and a new document the cores leave uncut takes milliseconds, in
+        which the router's event loop and its other renderer threads must run."""
+        return self.encode(text, [])
 
     def encode(self, text: str, cuts: list[int]) -> list[int]:
         bounds = [0, *cuts, len(text)]
