@@ -6,6 +6,8 @@ export RAY_USAGE_STATS_ENABLED := 0
 # Serve's HAProxy ingress for the Ray that `serve run` starts (rayattn/server/front_door.py).
 export RAY_SERVE_ENABLE_HA_PROXY ?= 1
 export RAY_SERVE_HAPROXY_BALANCE_ALGORITHM ?= hdr(x-session-id)
+# Ray's workers, the engines included, at nice 0 as `vllm serve` runs (rayattn/engine/cpu_priority.py).
+export RAY_worker_niceness ?= 0
 
 .PHONY: venv serve test lint check
 

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from rayattn.bench.cli import wait_healthy
+from rayattn.engine import cpu_priority
 from rayattn.server import front_door
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +51,8 @@ def session_header() -> str:
 # Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as
 # `make serve` and the KubeRay pods do.
 front_door.apply(session_header())
+# ...and runs its engines at normal CPU priority, as `vllm serve` does (cpu_priority.py).
+cpu_priority.apply()
 # A router replica that stops stays reachable this long for HAProxy to drop it (Serve's
 # default is 30 s per stopped replica: minutes over the tests that replace apps).
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")

@@ -83,10 +83,12 @@ class RayattnApp:
 
     def __init__(self, args: dict, num_gpus: int, port: int = 8000) -> None:
         from rayattn.config.loader import parse_args
+        from rayattn.engine import cpu_priority
         from rayattn.server import front_door
 
-        # Before Ray is imported: the cluster's HAProxy ingress.
+        # Before Ray is imported: the cluster's HAProxy ingress, its workers' priority.
         front_door.apply(parse_args(args).router.session_header)
+        cpu_priority.apply()
         import ray
         from ray import serve
 

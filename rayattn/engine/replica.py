@@ -48,6 +48,10 @@ class EngineReplica:
         os.environ.update(plan.env)
         if (outside := compat.support_warning()) is not None:
             log.warning(outside)
+        from rayattn.engine import cpu_priority
+
+        if (low := cpu_priority.warning()) is not None:
+            log.warning(low)
         # vLLM-version/install fixes (flashinfer sampler, TCPStore port window)
         compat.apply_engine_env(os.environ, cfg.platform.kind, plan.engine_kwargs)
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a

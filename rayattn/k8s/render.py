@@ -26,6 +26,7 @@ import yaml
 
 from rayattn.config.loader import app_args, load_serve_config, parse_models, rayattn_apps
 from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
+from rayattn.engine import cpu_priority
 from rayattn.server.front_door import cluster_env
 
 RAY_VERSION = "2.60.0"
@@ -71,10 +72,12 @@ DASHBOARD_PORT = 8265
 
 
 def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
-    # Every node: each starts Ray processes that read Serve's ingress flags (front_door.py).
+    # Every node: each starts Ray processes that read Serve's ingress flags (front_door.py)
+    # and Ray's worker niceness (cpu_priority.py).
     # The plan's env last: an operator's own choice (engine.env) wins.
     front = cluster_env(plan.config.router.session_header)
-    env = [{"name": k, "value": v} for k, v in sorted({**front, **plan.env}.items())]
+    env = [{"name": k, "value": v}
+           for k, v in sorted({**front, **cpu_priority.cluster_env(), **plan.env}.items())]
     env += [
         # Never inline the token: read it from a Secret the operator creates. Engines load
         # weights with it, routers the tokenizer.

@@ -134,6 +134,22 @@ def test_overload_sheds_with_retry_after(ray_cluster, server):
     assert took < 90
 
 
+# ---- priority ------------------------------------------------------------------------------
+def test_engines_run_at_the_priority_of_what_started_them(server):
+    """Ray starts its workers at nice 15 unless told otherwise: the engines (the replica and
+    vLLM's processes under it) run as this test process does, as `vllm serve` would."""
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    engines = health(server)["engines"]
+    assert engines
+    for name, e in engines.items():
+        for pid in [e["pid"], *e["engine_pids"]]:
+            try:
+                nice = os.getpriority(os.PRIO_PROCESS, pid)
+            except ProcessLookupError:  # a helper that ended since /health was read
+                continue
+            assert nice == own, f"engine {name}: process {pid} at nice {nice}, not {own}"
+
+
 # ---- replica failure -----------------------------------------------------------------------
 def test_replica_killed_under_load_loses_nothing(server):
     before = health(server)
