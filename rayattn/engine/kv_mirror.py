@@ -30,6 +30,13 @@ log = logging.getLogger("rayattn.engine")
 TOPIC = "kv"
 """The topic vLLM publishes the engine's events under, and the relay too."""
 
+CLEARED_TOPIC = "kv-cleared"
+"""The mirror's own word on the relay, not vLLM's: the engine's cache was just emptied.
+vLLM publishes its AllBlocksCleared with the engine's next step; on an idle engine that is
+the next request, so every router but the one that asked for the reset would route the next
+burst on blocks that are gone (four routers, one H100: turn-0 prompts sent to their old
+engines as cache hits, 60/68 conversations). It carries no sequence number of vLLM's."""
+
 HWM = 10_000
 """Event batches a socket queues at most. A reader that falls further behind loses batches
 and resyncs (a gap in the sequence numbers), instead of growing without bound."""
@@ -113,6 +120,9 @@ class KVMirror:
         self._relay.curve_publickey, self._relay.curve_secretkey = keys
         self._relay.setsockopt(zmq.SNDHWM, HWM)
         self._relay.setsockopt(zmq.LINGER, 0)
+        # The relay is sent on by the mirror's thread and by reset() (the replica's): one
+        # at a time, which ZMQ allows for a socket handed between threads under a lock.
+        self._relay_lock = threading.Lock()
         port = self._relay.bind_to_random_port(f"tcp://{relay_host}")
         self.endpoint = f"tcp://{relay_host}:{port}"
         """Where routers follow this engine's events (CurveZMQ, admitted keys only)."""
@@ -163,9 +173,16 @@ class KVMirror:
         """The engine's prefix cache and host tier were just emptied (reset_prefix_cache).
         vLLM publishes its AllBlocksCleared with the next engine step, which on an idle
         engine may be long after a router resyncs, and nothing at all for the host tier:
-        clear now so no snapshot in between shows the old blocks."""
+        clear now so no snapshot in between shows the old blocks, and tell the routers that
+        follow (CLEARED_TOPIC)."""
         with self._lock:
             self.cleared()
+        self._publish((CLEARED_TOPIC.encode(), b"", b""))
+
+    def _publish(self, parts: tuple[bytes, ...] | list[bytes]) -> None:
+        with self._relay_lock:
+            if not self._relay.closed:
+                self._relay.send_multipart(parts)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -213,12 +230,13 @@ class KVMirror:
                         continue
                     apply_batch(batch, self)
                     self._seq = seq
-                self._relay.send_multipart(parts)
+                self._publish(parts)
             except Exception:
                 # One bad batch must not end the mirror: routers resync from it.
                 log.exception("KV mirror: event batch skipped")
         sub.close()
-        self._relay.close()
+        with self._relay_lock:
+            self._relay.close()
         self._auth.stop()
         ctx.term()
 
@@ -239,7 +257,7 @@ class KVMirror:
                 with self._lock:
                     apply_batch(dec.decode(frames[3]), self)
                     self._seq = seq
-                self._relay.send_multipart((TOPIC.encode(), frames[2], frames[3]))
+                self._publish((TOPIC.encode(), frames[2], frames[3]))
                 got += 1
         req.close()
         if got < upto - start:

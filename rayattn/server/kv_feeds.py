@@ -14,7 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
-from rayattn.engine.kv_mirror import CurveKeys, subscriber
+from rayattn.engine.kv_mirror import CLEARED_TOPIC, CurveKeys, subscriber
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.kv_events import CacheSink, Snapshot, Tier, apply_batch, decoder
 from rayattn.routing.prefix_index import EventIndex
@@ -30,6 +30,7 @@ SYNC_GRACE_S = 15.0
 (and answers /health with 503 meanwhile): routed before that, a conversation's later turn
 finds no history and is placed cold. A feed that cannot sync (its engine does not answer the
 snapshot call) holds the router back no longer than this."""
+_CLEARED = CLEARED_TOPIC.encode()
 HANDSHAKE_S = 2.0
 """How long a (re)sync waits for the subscription's connection before taking the snapshot
 anyway (a gap found later resyncs)."""
@@ -277,6 +278,11 @@ class EventFeed:
         while True:
             parts = await sock.recv_multipart()
             if len(parts) != 3:
+                continue
+            if parts[0] == _CLEARED:
+                # The engine was reset: its cache is empty now, before vLLM says so.
+                self.sink.cleared()
+                self.heard_at = time.monotonic()
                 continue
             seq = int.from_bytes(parts[1], "big")
             self._seen = max(self._seen, seq)

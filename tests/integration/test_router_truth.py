@@ -99,6 +99,13 @@ def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
         a, b = health(server)["engines"], health(other)["engines"]
         for name in a:
             assert a[name]["cache_view"]["blocks"] == b[name]["cache_view"]["blocks"] > 0
+        # A reset through one router empties the engines; the other router knows at once,
+        # not at the engines' next step (idle engines take none).
+        reset("affinity")
+        deadline = time.time() + 5
+        while any(e["cache_view"]["blocks"] for e in health(other)["engines"].values()):
+            assert time.time() < deadline, health(other)["engines"]
+            time.sleep(0.1)
     finally:
         serve.delete("second")
 

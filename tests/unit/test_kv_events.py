@@ -115,6 +115,30 @@ def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
     asyncio.run(scenario())
 
 
+def test_a_reset_reaches_every_router_before_the_engines_next_step(publisher):
+    """vLLM says AllBlocksCleared only with the engine's next step: the mirror says it at
+    once, so routers that did not ask for the reset stop predicting hits on emptied
+    blocks before the next burst, not after its first request."""
+    pub, mirror = publisher
+    _send(pub, _stored([31, 32]))
+
+    async def scenario() -> None:
+        routers = [_events_core("e0") for _ in range(2)]
+        feeds = [KVFeeds(core) for core, _ in routers]
+        for f in feeds:
+            f.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
+        await _until(lambda: all(index.match([31, 32]) == {"e0": 2} for _, index in routers))
+        mirror.reset()  # what the replica does once vLLM's reset_prefix_cache returned
+        await _until(lambda: all(index.size("e0") == 0 for _, index in routers), timeout=2.0)
+        assert all(f.feeds["e0"].resyncs == 1 for f in feeds)  # told, not resynced
+        _send(pub, _stored([33]))  # vLLM's numbering goes on: nothing to resync
+        await _until(lambda: all(index.match([33]) == {"e0": 1} for _, index in routers))
+        for f in feeds:
+            f.feeds["e0"].stop()
+
+    asyncio.run(scenario())
+
+
 def test_each_dp_rank_of_an_engine_is_followed_as_a_target_of_its_own():
     """An engine running two DP ranks: vLLM's publishers of rank 0 and 1 (each announcing its
     own rank in its batches) on the endpoints vLLM derives from the one configured, one
