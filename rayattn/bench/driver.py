@@ -4,6 +4,7 @@ cache-hit rate against the trace's oracle, TTFT percentiles, throughput, balance
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import random
 import time
@@ -184,6 +185,12 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
                 if think_s and t + 1 < len(c.turns):
                     await asyncio.sleep(pause.uniform(0, think_s))
 
+    # Whatever the client holds from before this run (earlier runs' results, tokenizers) out
+    # of the collector's reach: a full collection over it stopped the client for 0.5-0.6 s
+    # (the seventh run of each H100 call, so always the same stack's), and that run's TTFT
+    # and wall counted it.
+    gc.collect()
+    gc.freeze()
     # The client's own stalls: a stalled client delays the TTFT it measures.
     from rayattn.server.loop_watch import LoopWatch
 
