@@ -16,6 +16,7 @@ from ray.serve.config import RequestRouterConfig
 from rayattn.config.loader import ENGINE_DEPLOYMENT, engine_deployment, model_args, parse_args
 from rayattn.config.plan import Plan, build_plan
 from rayattn.config.schema import RayAttnConfig
+from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
 from rayattn.server.api import Router
 from rayattn.server.pinning import REQUEST_ROUTER
@@ -61,7 +62,10 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
         **cfg.serve.ray_actor_options,
     }
     runtime_env = dict(actor.pop("runtime_env", {}) or {})
-    runtime_env["env_vars"] = {**plan.env, **runtime_env.get("env_vars", {})}
+    # Normal CPU priority however the cluster was started (engine/cpu_priority.py); the
+    # plan's and the operator's own variables win.
+    runtime_env["env_vars"] = {**cpu_priority.cluster_env(), **plan.env,
+                               **runtime_env.get("env_vars", {})}
     actor["runtime_env"] = runtime_env
     routers = cfg.serve.max_routers
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
@@ -100,6 +104,7 @@ def router_options(cfg: RayAttnConfig) -> dict[str, Any]:
                            **({"resources": {cfg.serve.router_node_resource: ROUTER_UNIT}}
                               if cfg.serve.router_node_resource else {}),
                            "runtime_env": {"env_vars": {
+                               **cpu_priority.cluster_env(),
                                "PYTHONHASHSEED": cfg.engine.hash_seed,
                                **(ROUTER_SERVE_ENV if cfg.serve.router_loop == "main"
                                   else {})}}},

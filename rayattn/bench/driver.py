@@ -150,6 +150,22 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
     order, each next turn a uniform 0..`think_s` after the previous answer (a user reading,
     a tool running). Open loop (`rate` req/s): conversations start as a Poisson process.
     Several URLs (independent routers): turn t of every conversation goes to url[t % n]."""
+    # Whatever the client holds from before this run (earlier runs' results, tokenizers) out
+    # of the collector's reach, before the clock starts: a full collection over it stopped
+    # the client for 0.5-0.6 s (the seventh run of each H100 call, so always the same
+    # stack's), and that run's TTFT and wall counted it.
+    gc.collect()
+    gc.freeze()
+    try:
+        return await _run_workload(url, model, workload, concurrency, timeout, rate, seed,
+                                   progress, think_s)
+    finally:
+        gc.unfreeze()
+
+
+async def _run_workload(url: str | list[str], model: str, workload: Workload,
+                        concurrency: int, timeout: float, rate: float | None, seed: int,
+                        progress: bool, think_s: float) -> tuple[list[Result], float]:
     urls = [url] if isinstance(url, str) else list(url)
     sem = asyncio.Semaphore(concurrency if rate is None else 10**6)
     results: list[Result] = []
@@ -185,12 +201,6 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
                 if think_s and t + 1 < len(c.turns):
                     await asyncio.sleep(pause.uniform(0, think_s))
 
-    # Whatever the client holds from before this run (earlier runs' results, tokenizers) out
-    # of the collector's reach: a full collection over it stopped the client for 0.5-0.6 s
-    # (the seventh run of each H100 call, so always the same stack's), and that run's TTFT
-    # and wall counted it.
-    gc.collect()
-    gc.freeze()
     # The client's own stalls: a stalled client delays the TTFT it measures.
     from rayattn.server.loop_watch import LoopWatch
 

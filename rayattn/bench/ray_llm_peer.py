@@ -110,6 +110,10 @@ class RayServeLLMStack:
             if not constants.RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING:
                 raise RuntimeError("Ray Serve LLM was imported before direct streaming "
                                    "was set: run kv_aware in an invocation of its own")
+        # Its engines at the priority rayattn's run at, whichever stack started first.
+        from rayattn.engine import cpu_priority
+
+        cpu_priority.apply()
         import ray
         from ray import serve
 

@@ -19,6 +19,7 @@ import shutil
 import tempfile
 import threading
 from collections import Counter, OrderedDict
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from rayattn.compat import IPC_EVENT_MARK
@@ -30,12 +31,14 @@ log = logging.getLogger("rayattn.engine")
 TOPIC = "kv"
 """The topic vLLM publishes the engine's events under, and the relay too."""
 
-CLEARED_TOPIC = "kv-cleared"
+CLEARED_TOPIC = "cleared"
 """The mirror's own word on the relay, not vLLM's: the engine's cache was just emptied.
 vLLM publishes its AllBlocksCleared with the engine's next step; on an idle engine that is
 the next request, so every router but the one that asked for the reset would route the next
 burst on blocks that are gone (four routers, one H100: turn-0 prompts sent to their old
-engines as cache hits, 60/68 conversations). It carries no sequence number of vLLM's."""
+engines as cache hits, 60/68 conversations). It carries the sequence number of the last
+batch the mirror had applied (signed: -1 before any), so a router whose snapshot is newer
+ignores it. Not a prefix of TOPIC: a subscription to one is not one to the other."""
 
 HWM = 10_000
 """Event batches a socket queues at most. A reader that falls further behind loses batches
@@ -120,9 +123,6 @@ class KVMirror:
         self._relay.curve_publickey, self._relay.curve_secretkey = keys
         self._relay.setsockopt(zmq.SNDHWM, HWM)
         self._relay.setsockopt(zmq.LINGER, 0)
-        # The relay is sent on by the mirror's thread and by reset() (the replica's): one
-        # at a time, which ZMQ allows for a socket handed between threads under a lock.
-        self._relay_lock = threading.Lock()
         port = self._relay.bind_to_random_port(f"tcp://{relay_host}")
         self.endpoint = f"tcp://{relay_host}:{port}"
         """Where routers follow this engine's events (CurveZMQ, admitted keys only)."""
@@ -130,6 +130,14 @@ class KVMirror:
         self._offloaded: Counter[int] = Counter()
         """Host-tier blocks, counted: vLLM may announce one block in several chunks."""
         self._seq = -1
+        self._applying = -1
+        """The sequence number of the batch being applied."""
+        self._vllm_cleared = -1
+        """The last batch that carried vLLM's own AllBlocksCleared."""
+        # Guards the view and the relay: a batch is applied and relayed as one step, and
+        # reset() (on the replica's thread) clears and says so as one, so what routers are
+        # told comes in the order the view changed. ZMQ allows a socket handed between
+        # threads under a lock; a PUB send never blocks.
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-mirror", daemon=True)
@@ -154,6 +162,10 @@ class KVMirror:
                 self._offloaded[k] -= 1
 
     def cleared(self) -> None:
+        self._forget()
+        self._vllm_cleared = self._applying
+
+    def _forget(self) -> None:
         self._keys.clear()
         self._offloaded.clear()
 
@@ -169,20 +181,33 @@ class KVMirror:
         """ZAP's question (on its own thread): may this key connect?"""
         return key in self._admitted
 
-    def reset(self) -> None:
-        """The engine's prefix cache and host tier were just emptied (reset_prefix_cache).
-        vLLM publishes its AllBlocksCleared with the next engine step, which on an idle
-        engine may be long after a router resyncs, and nothing at all for the host tier:
-        clear now so no snapshot in between shows the old blocks, and tell the routers that
-        follow (CLEARED_TOPIC)."""
+    def mark(self) -> int:
+        """Where the view is now: taken before the engine's reset, handed to reset()."""
         with self._lock:
-            self.cleared()
-        self._publish((CLEARED_TOPIC.encode(), b"", b""))
+            return self._seq
 
-    def _publish(self, parts: tuple[bytes, ...] | list[bytes]) -> None:
-        with self._relay_lock:
-            if not self._relay.closed:
-                self._relay.send_multipart(parts)
+    def reset(self, mark: int) -> None:
+        """The engine's prefix cache and host tier were just emptied (reset_prefix_cache,
+        called after mark() returned `mark`). vLLM publishes its AllBlocksCleared with the
+        next engine step, which on an idle engine may be long after a router resyncs, and
+        nothing at all for the host tier: clear now so no snapshot in between shows the old
+        blocks, and tell the routers that follow (CLEARED_TOPIC). Unless that step already
+        came (another router's request reached the engine meanwhile): then the view, and
+        every router's, is past the reset, and the blocks stored since are real."""
+        with self._lock:
+            if self._vllm_cleared > mark:
+                return
+            self._forget()
+            try:
+                self._publish((CLEARED_TOPIC.encode(), self._seq.to_bytes(8, "big", signed=True),
+                               b""))
+            except Exception:  # the engine was reset all the same; routers catch up at its
+                log.exception("KV mirror: could not tell routers of the reset")  # next step
+
+    def _publish(self, parts: Sequence[bytes]) -> None:
+        """On the relay; with the lock held."""
+        if not self._relay.closed:
+            self._relay.send_multipart(parts)
 
     def snapshot(self) -> Snapshot:
         with self._lock:
@@ -196,8 +221,8 @@ class KVMirror:
         return len(self._keys)
 
     def close(self) -> None:
-        """Stop following and relaying: the mirror's thread closes its sockets itself
-        (ZMQ sockets belong to one thread) as it ends."""
+        """Stop following and relaying: the mirror's thread closes its sockets itself as it
+        ends."""
         self._stop.set()
         self._thread.join(timeout=10)
         if self._ipc_dir is not None:
@@ -228,14 +253,15 @@ class KVMirror:
                 with self._lock:
                     if seq <= self._seq:
                         continue
+                    self._applying = seq
                     apply_batch(batch, self)
                     self._seq = seq
-                self._publish(parts)
+                    self._publish(parts)
             except Exception:
                 # One bad batch must not end the mirror: routers resync from it.
                 log.exception("KV mirror: event batch skipped")
         sub.close()
-        with self._relay_lock:
+        with self._lock:
             self._relay.close()
         self._auth.stop()
         ctx.term()
@@ -255,9 +281,10 @@ class KVMirror:
             seq = int.from_bytes(frames[2], "big")
             if start <= seq < upto:
                 with self._lock:
+                    self._applying = seq
                     apply_batch(dec.decode(frames[3]), self)
                     self._seq = seq
-                self._publish((TOPIC.encode(), frames[2], frames[3]))
+                    self._publish((TOPIC.encode(), frames[2], frames[3]))
                 got += 1
         req.close()
         if got < upto - start:

@@ -277,13 +277,14 @@ class EngineReplica:
         """Empty the prefix cache and the host KV tier behind it (benchmarks compare policies
         from the same cold start; a warm host tier would serve the last run's prompts)."""
         self._pinned(target)
+        marks = [mirror.mark() for mirror in self.kv_mirrors]
         # Only where there is a host tier: some vLLM versions answer False to a connector
         # reset on an engine without a connector, which would read as a failed reset.
         done = bool(await self.engine.reset_prefix_cache(
             reset_connector=self.cfg.engine.kv_offload.enabled))
         if done:
-            for mirror in self.kv_mirrors:
-                mirror.reset()
+            for mirror, mark in zip(self.kv_mirrors, marks, strict=True):
+                mirror.reset(mark)
         return done
 
     async def _openai(self) -> Any:

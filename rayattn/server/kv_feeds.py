@@ -21,6 +21,7 @@ from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.background import detached
 
 log = logging.getLogger("rayattn.kv_events")
+_CLEARED = CLEARED_TOPIC.encode()
 
 STALE_S = 10.0
 """How long a feed may stay silent after its engine finished a request that must have
@@ -30,7 +31,6 @@ SYNC_GRACE_S = 15.0
 (and answers /health with 503 meanwhile): routed before that, a conversation's later turn
 finds no history and is placed cold. A feed that cannot sync (its engine does not answer the
 snapshot call) holds the router back no longer than this."""
-_CLEARED = CLEARED_TOPIC.encode()
 HANDSHAKE_S = 2.0
 """How long a (re)sync waits for the subscription's connection before taking the snapshot
 anyway (a gap found later resyncs)."""
@@ -280,9 +280,11 @@ class EventFeed:
             if len(parts) != 3:
                 continue
             if parts[0] == _CLEARED:
-                # The engine was reset: its cache is empty now, before vLLM says so.
-                self.sink.cleared()
-                self.heard_at = time.monotonic()
+                # The engine was reset: its cache is empty now, before vLLM says so. Said
+                # after the batch it names: a snapshot newer than that is past the reset
+                # already. (Not a sign of life: a clear carries no request's blocks.)
+                if int.from_bytes(parts[1], "big", signed=True) >= self.last_seq:
+                    self.sink.cleared()
                 continue
             seq = int.from_bytes(parts[1], "big")
             self._seen = max(self._seen, seq)

@@ -58,3 +58,15 @@ def test_an_engine_below_normal_priority_says_how_to_fix_it():
     assert "RAY_worker_niceness=0" in out and "nice" in out
     if os.getpriority(os.PRIO_PROCESS, 0) <= 0:
         assert cpu_priority.warning() is None
+
+
+def test_the_deployments_ask_for_it_whoever_started_ray():
+    from rayattn.app import engine_options, router_options
+    from rayattn.config.loader import parse_args
+    from rayattn.config.plan import build_plan
+    from tests.conftest import local_args
+
+    cfg = parse_args(local_args())
+    for opts in (engine_options(build_plan(cfg)), router_options(cfg)):
+        env = opts["ray_actor_options"]["runtime_env"]["env_vars"]
+        assert env.items() >= cpu_priority.cluster_env().items(), opts["name"]

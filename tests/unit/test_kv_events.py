@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from rayattn.config.schema import RouterConfig
-from rayattn.engine.kv_mirror import KVMirror, private_ipc_endpoints
+from rayattn.engine.kv_mirror import CLEARED_TOPIC, KVMirror, private_ipc_endpoints
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.kv_feeds import KVFeeds
@@ -119,6 +119,8 @@ def test_a_reset_reaches_every_router_before_the_engines_next_step(publisher):
     """vLLM says AllBlocksCleared only with the engine's next step: the mirror says it at
     once, so routers that did not ask for the reset stop predicting hits on emptied
     blocks before the next burst, not after its first request."""
+    from vllm.distributed.kv_events import AllBlocksCleared
+
     pub, mirror = publisher
     _send(pub, _stored([31, 32]))
 
@@ -128,11 +130,31 @@ def test_a_reset_reaches_every_router_before_the_engines_next_step(publisher):
         for f in feeds:
             f.join("e0", mirror.endpoint, mirror.server_key.decode(), _handle(mirror))
         await _until(lambda: all(index.match([31, 32]) == {"e0": 2} for _, index in routers))
-        mirror.reset()  # what the replica does once vLLM's reset_prefix_cache returned
+        mark = mirror.mark()  # what the replica does around vLLM's reset_prefix_cache
+        mirror.reset(mark)
         await _until(lambda: all(index.size("e0") == 0 for _, index in routers), timeout=2.0)
         assert all(f.feeds["e0"].resyncs == 1 for f in feeds)  # told, not resynced
         _send(pub, _stored([33]))  # vLLM's numbering goes on: nothing to resync
         await _until(lambda: all(index.match([33]) == {"e0": 1} for _, index in routers))
+
+        # Another router's request reached the engine between the reset and the mirror's
+        # turn: vLLM's own clear came first, and what was stored after it is real.
+        mark = mirror.mark()
+        _send(pub, AllBlocksCleared(), _stored([34]))
+        await _until(lambda: mirror.snapshot().keys == [34])
+        mirror.reset(mark)
+        await _until(lambda: all(index.match([34]) == {"e0": 1} for _, index in routers))
+        await asyncio.sleep(0.3)
+        assert mirror.snapshot().keys == [34]
+        assert all(index.match([34]) == {"e0": 1} for _, index in routers)
+
+        # A clear said before the batch a router's view already reflects (its snapshot was
+        # taken after the reset and after new blocks) is not applied to it.
+        with mirror._lock:
+            mirror._publish((CLEARED_TOPIC.encode(), (-1).to_bytes(8, "big", signed=True),
+                             b""))
+        await asyncio.sleep(0.3)
+        assert all(index.match([34]) == {"e0": 1} for _, index in routers)
         for f in feeds:
             f.feeds["e0"].stop()
 
