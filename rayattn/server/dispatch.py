@@ -167,9 +167,7 @@ class Dispatcher:
         self.counts: dict[str, float] = {"sent": 0, "direct_calls": 0, "succeeded": 0,
                                          "retried": 0, "failed": 0,
                                          "engine_crashes": 0, "quarantined": 0,
-                                         "kv_held": 0, "kv_held_s": 0.0, "hung_up": 0}
-        """`hung_up`: requests whose client left before the answer started (their engine
-        calls aborted, or never made)."""
+                                         "kv_held": 0, "kv_held_s": 0.0}
         self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
         self._metrics_task: asyncio.Task | None = None
         self.runtime_adapters: dict[str, str] = {}

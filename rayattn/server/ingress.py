@@ -9,7 +9,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any, NamedTuple
 
@@ -206,17 +206,10 @@ class Ingress:
         # From here the slot is ours until the response ends; whichever path ends the
         # request releases it (once).
         try:
-            response = await _unless_hung_up(
-                request, self._admitted(request, kind, data, body, rid, slot, tenant, route))
+            return await self._admitted(request, kind, data, body, rid, slot, tenant, route)
         except BaseException:
             slot.release()
             raise
-        if response is None:
-            slot.release()
-            route.dispatcher.counts["hung_up"] += 1
-            return APIError(499, "the client closed the connection before the answer "
-                                 "started").response()
-        return response
 
     async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
                         rid: str, slot: Slot, tenant: str, model: ModelRoute) -> Response:
@@ -531,43 +524,6 @@ def _summed(counters: Any) -> dict[str, float]:
         for k, v in c.items():
             out[k] = out.get(k, 0) + v
     return out
-
-
-async def _unless_hung_up(request: Request, answer: Coroutine[Any, Any, Response]
-                          ) -> Response | None:
-    """`answer`'s response, or None once the client hangs up before there is one. Until a
-    stream starts nothing else notices: a request waiting for an engine slot (behind its
-    key's cap, say) would take one, and a prefill, for nobody; a buffered answer would
-    decode to its last token. Cancelled, the request's engine call is aborted as when a
-    stream's client leaves. The body was read already, so every message left on the
-    connection is about the connection."""
-    work = asyncio.ensure_future(answer)
-    gone = asyncio.ensure_future(_hang_up(request))
-    try:
-        await asyncio.wait((work, gone), return_when=asyncio.FIRST_COMPLETED)
-        if not work.done() and gone.exception() is not None:
-            # The connection could not be watched (a transport without disconnect
-            # messages): answer as before rather than drop a live client.
-            log.debug("hang-up watch failed", exc_info=gone.exception())
-            return await work
-    finally:
-        gone.cancel()
-    if work.done():
-        return work.result()
-    work.cancel()
-    try:
-        await work
-    except asyncio.CancelledError:
-        if asyncio.current_task().cancelling():  # our own cancellation, not work's
-            raise
-    except Exception:  # noqa: BLE001 - nobody is left to answer
-        log.debug("request ended after its client left", exc_info=True)
-    return None
-
-
-async def _hang_up(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 class _Stream(StreamingResponse):
