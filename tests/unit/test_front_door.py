@@ -1,5 +1,6 @@
-"""Serve's HAProxy ingress is declared once (rayattn/server/front_door.py); what starts Ray
-outside Python (make serve, the GPU recipe, the KubeRay pods) carries the same setting."""
+"""Serve's HAProxy ingress is declared once (rayattn/server/front_door.py), and so is the
+workers' CPU priority (rayattn/engine/cpu_priority.py); what starts Ray outside Python (make
+serve, the KubeRay pods) carries the same settings."""
 
 from __future__ import annotations
 
@@ -9,10 +10,15 @@ from pathlib import Path
 import pytest
 import yaml
 
+from rayattn.engine import cpu_priority
 from rayattn.k8s.render import render_all
 from rayattn.server import front_door
 
 ROOT = Path(__file__).resolve().parents[2]
+
+
+def _cluster_env() -> dict[str, str]:
+    return {**front_door.cluster_env(), **cpu_priority.cluster_env()}
 
 
 def test_apply_sets_the_flags_and_keeps_an_operators_choice():
@@ -32,7 +38,7 @@ def test_apply_sets_the_flags_and_keeps_an_operators_choice():
 
 def test_make_serve_starts_ray_with_the_flag():
     text = (ROOT / "Makefile").read_text()
-    for k, v in front_door.cluster_env().items():
+    for k, v in _cluster_env().items():
         assert re.search(rf"^export {k} \??= {re.escape(v)}$", text, re.M), \
             f"Makefile lacks {k}={v}"
 
@@ -53,7 +59,7 @@ def test_every_kuberay_container_has_the_flag():
             for g in groups:
                 for c in g["template"]["spec"]["containers"]:
                     env = {e["name"]: e.get("value") for e in c.get("env", [])}
-                    for k, v in front_door.cluster_env().items():
+                    for k, v in _cluster_env().items():
                         assert env.get(k) == v, f"{fname}: container {c['name']} lacks {k}"
                     containers += 1
     assert containers >= 6  # head + workers of the three models
