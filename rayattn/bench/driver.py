@@ -152,18 +152,20 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
     Several URLs (independent routers): turn t of every conversation goes to url[t % n]."""
     # Whatever the client holds from before this run (earlier runs' results, tokenizers) out
     # of the collector's reach, before the clock starts: a full collection over it stopped
-    # the client for 0.5-0.6 s (the seventh run of each H100 call, so always the same
-    # stack's), and that run's TTFT and wall counted it.
+    # the client for 0.45-0.55 s in one run of six or nine on an H100 (mostly the same run
+    # of each call, as the stacks run in a fixed order), and that run's TTFT and wall
+    # counted it.
     gc.collect()
     gc.freeze()
     try:
-        return await _run_workload(url, model, workload, concurrency, timeout, rate, seed,
-                                   progress, think_s)
+        return await _run_workload(url, model, workload, concurrency=concurrency,
+                                   timeout=timeout, rate=rate, seed=seed, progress=progress,
+                                   think_s=think_s)
     finally:
         gc.unfreeze()
 
 
-async def _run_workload(url: str | list[str], model: str, workload: Workload,
+async def _run_workload(url: str | list[str], model: str, workload: Workload, *,
                         concurrency: int, timeout: float, rate: float | None, seed: int,
                         progress: bool, think_s: float) -> tuple[list[Result], float]:
     urls = [url] if isinstance(url, str) else list(url)

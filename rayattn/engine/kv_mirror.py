@@ -37,8 +37,8 @@ vLLM publishes its AllBlocksCleared with the engine's next step; on an idle engi
 the next request, so every router but the one that asked for the reset would route the next
 burst on blocks that are gone (four routers, one H100: turn-0 prompts sent to their old
 engines as cache hits, 60/68 conversations). It carries the sequence number of the last
-batch the mirror had applied (signed: -1 before any), so a router whose snapshot is newer
-ignores it. Not a prefix of TOPIC: a subscription to one is not one to the other."""
+batch the mirror had applied, so a router whose snapshot is newer ignores it. Not a prefix
+of TOPIC: a subscription to one is not one to the other."""
 
 HWM = 10_000
 """Event batches a socket queues at most. A reader that falls further behind loses batches
@@ -193,16 +193,20 @@ class KVMirror:
         nothing at all for the host tier: clear now so no snapshot in between shows the old
         blocks, and tell the routers that follow (CLEARED_TOPIC). Unless that step already
         came (another router's request reached the engine meanwhile): then the view, and
-        every router's, is past the reset, and the blocks stored since are real."""
+        every router's, is past the reset, and the blocks stored since are real. (A clear
+        that arrives late from an earlier reset reads the same; the blocks of the step that
+        carried it then stay believed until this reset's own clear, as before the mirror
+        said anything itself. A `cleared` lost on the way has no sequence number to show the
+        gap: the same bound holds.)"""
         with self._lock:
-            if self._vllm_cleared > mark:
-                return
+            if self._vllm_cleared > mark or self._seq < 0:
+                return  # past the reset already, or nothing was ever stored
             self._forget()
             try:
-                self._publish((CLEARED_TOPIC.encode(), self._seq.to_bytes(8, "big", signed=True),
-                               b""))
-            except Exception:  # the engine was reset all the same; routers catch up at its
-                log.exception("KV mirror: could not tell routers of the reset")  # next step
+                self._publish((CLEARED_TOPIC.encode(), self._seq.to_bytes(8, "big"), b""))
+            except Exception:
+                # The engine was reset all the same; routers catch up at its next step.
+                log.exception("KV mirror: could not tell routers of the reset")
 
     def _publish(self, parts: Sequence[bytes]) -> None:
         """On the relay; with the lock held."""

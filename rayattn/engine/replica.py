@@ -20,7 +20,7 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
-from rayattn.engine import wire
+from rayattn.engine import cpu_priority, wire
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.kv_mirror import KVMirror, node_ip
 from rayattn.engine.protocol import (
@@ -48,8 +48,6 @@ class EngineReplica:
         os.environ.update(plan.env)
         if (outside := compat.support_warning()) is not None:
             log.warning(outside)
-        from rayattn.engine import cpu_priority
-
         if (low := cpu_priority.warning()) is not None:
             log.warning(low)
         # vLLM-version/install fixes (flashinfer sampler, TCPStore port window)

@@ -283,7 +283,7 @@ class EventFeed:
                 # The engine was reset: its cache is empty now, before vLLM says so. Said
                 # after the batch it names: a snapshot newer than that is past the reset
                 # already. (Not a sign of life: a clear carries no request's blocks.)
-                if int.from_bytes(parts[1], "big", signed=True) >= self.last_seq:
+                if int.from_bytes(parts[1], "big") >= self.last_seq:
                     self.sink.cleared()
                 continue
             seq = int.from_bytes(parts[1], "big")

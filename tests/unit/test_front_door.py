@@ -36,7 +36,7 @@ def test_apply_sets_the_flags_and_keeps_an_operators_choice():
     assert all(chosen[k] == "0" for k in front_door.cluster_env())
 
 
-def test_make_serve_starts_ray_with_the_flag():
+def test_make_serve_starts_ray_with_the_flags():
     text = (ROOT / "Makefile").read_text()
     for k, v in _cluster_env().items():
         assert re.search(rf"^export {k} \??= {re.escape(v)}$", text, re.M), \
@@ -48,7 +48,7 @@ def test_routers_are_picked_by_the_configured_session_header():
     assert env["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"] == "hdr(x-conversation)"
 
 
-def test_every_kuberay_container_has_the_flag():
+def test_every_kuberay_container_has_the_flags():
     containers = 0
     for fname, text in render_all(ROOT).items():
         for doc in yaml.safe_load_all(text):

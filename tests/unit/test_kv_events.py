@@ -123,6 +123,9 @@ def test_a_reset_reaches_every_router_before_the_engines_next_step(publisher):
 
     pub, mirror = publisher
     _send(pub, _stored([31, 32]))
+    deadline = time.time() + 10
+    while len(mirror) < 2 and time.time() < deadline:
+        time.sleep(0.02)
 
     async def scenario() -> None:
         routers = [_events_core("e0") for _ in range(2)]
@@ -143,17 +146,18 @@ def test_a_reset_reaches_every_router_before_the_engines_next_step(publisher):
         _send(pub, AllBlocksCleared(), _stored([34]))
         await _until(lambda: mirror.snapshot().keys == [34])
         mirror.reset(mark)
-        await _until(lambda: all(index.match([34]) == {"e0": 1} for _, index in routers))
-        await asyncio.sleep(0.3)
         assert mirror.snapshot().keys == [34]
+        # A later batch reaches the routers after anything reset() said: they hold both.
+        _send(pub, _stored([35]))
+        await _until(lambda: all(index.match([35]) == {"e0": 1} for _, index in routers))
         assert all(index.match([34]) == {"e0": 1} for _, index in routers)
 
-        # A clear said before the batch a router's view already reflects (its snapshot was
-        # taken after the reset and after new blocks) is not applied to it.
+        # A clear older than what a router's view already reflects (one said before the
+        # batch a newer snapshot includes) is not applied to it.
         with mirror._lock:
-            mirror._publish((CLEARED_TOPIC.encode(), (-1).to_bytes(8, "big", signed=True),
-                             b""))
-        await asyncio.sleep(0.3)
+            mirror._publish((CLEARED_TOPIC.encode(), (0).to_bytes(8, "big"), b""))
+        _send(pub, _stored([36]))
+        await _until(lambda: all(index.match([36]) == {"e0": 1} for _, index in routers))
         assert all(index.match([34]) == {"e0": 1} for _, index in routers)
         for f in feeds:
             f.feeds["e0"].stop()
