@@ -14,9 +14,8 @@ import httpx
 import pytest
 import yaml
 
+from rayattn import cluster_env
 from rayattn.bench.cli import wait_healthy
-from rayattn.engine import cpu_priority
-from rayattn.server import front_door
 
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -48,11 +47,9 @@ def session_header() -> str:
     return rayattn_apps(local_config())[0][1].router.session_header
 
 
-# Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress, as
-# `make serve` and the KubeRay pods do.
-front_door.apply(session_header())
-# ...and runs its engines at normal CPU priority, as `vllm serve` does (cpu_priority.py).
-cpu_priority.apply()
+# Before Ray starts: the session's cluster takes requests through Serve's HAProxy ingress and
+# runs its workers at normal CPU priority, as `make serve` and the KubeRay pods do.
+cluster_env.apply(session_header())
 # A router replica that stops stays reachable this long for HAProxy to drop it (Serve's
 # default is 30 s per stopped replica: minutes over the tests that replace apps).
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "2")

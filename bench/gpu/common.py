@@ -82,13 +82,11 @@ class RayattnApp:
     """ray.init + serve.run(build_app(args)) in this process; `url`, `metrics_port`."""
 
     def __init__(self, args: dict, num_gpus: int, port: int = 8000) -> None:
+        from rayattn import cluster_env
         from rayattn.config.loader import parse_args
-        from rayattn.engine import cpu_priority
-        from rayattn.server import front_door
 
         # Before Ray is imported: the cluster's HAProxy ingress, its workers' priority.
-        front_door.apply(parse_args(args).router.session_header)
-        cpu_priority.apply()
+        cluster_env.apply(parse_args(args).router.session_header)
         import ray
         from ray import serve
 

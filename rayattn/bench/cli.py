@@ -51,14 +51,12 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
     import yaml
 
+    from rayattn import cluster_env
     from rayattn.config.loader import rayattn_apps
-    from rayattn.engine import cpu_priority
-    from rayattn.server import front_door
 
     serve_config = yaml.safe_load(Path(config).read_text())
     # Before Ray (and Serve's constants) are imported here.
-    front_door.apply(rayattn_apps(serve_config)[0][1].router.session_header)
-    cpu_priority.apply()
+    cluster_env.apply(rayattn_apps(serve_config)[0][1].router.session_header)
     import ray
     from ray import serve
 

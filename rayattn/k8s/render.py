@@ -24,10 +24,9 @@ from typing import Any
 
 import yaml
 
+from rayattn.cluster_env import cluster_env
 from rayattn.config.loader import app_args, load_serve_config, parse_models, rayattn_apps
 from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
-from rayattn.engine import cpu_priority
-from rayattn.server.front_door import cluster_env
 
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "ghcr.io/rayattn/rayattn-rocm:0.1.0"
@@ -77,7 +76,7 @@ def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
     # The plan's env last: an operator's own choice (engine.env) wins.
     front = cluster_env(plan.config.router.session_header)
     env = [{"name": k, "value": v}
-           for k, v in sorted({**front, **cpu_priority.cluster_env(), **plan.env}.items())]
+           for k, v in sorted({**front, **plan.env}.items())]
     env += [
         # Never inline the token: read it from a Secret the operator creates. Engines load
         # weights with it, routers the tokenizer.

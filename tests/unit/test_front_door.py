@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rayattn.engine import cpu_priority
+from rayattn import cluster_env
 from rayattn.k8s.render import render_all
 from rayattn.server import front_door
 
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _cluster_env() -> dict[str, str]:
-    return {**front_door.cluster_env(), **cpu_priority.cluster_env()}
+    return cluster_env.cluster_env()
 
 
 def test_apply_sets_the_flags_and_keeps_an_operators_choice():
