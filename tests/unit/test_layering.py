@@ -15,7 +15,7 @@ LAYERS = [
     {"config"},
     {"engine"},
     {"server"},
-    {"app"},
+    {"app", "cluster_env"},
     {"bench", "k8s"},
     {"cli"},
 ]
