@@ -302,6 +302,54 @@ def test_disconnect_mid_stream_aborts_engine_request(server):
     assert all(e["inflight"] == 0 for e in engines.values()), engines
 
 
+def _engines_drain(server: str, within_s: float) -> dict:
+    deadline = time.time() + within_s
+    while True:
+        engines = httpx.get(f"{server}/health").json()["engines"]
+        if all(e["unfinished"] == 0 and e["inflight"] == 0 for e in engines.values()) \
+                or time.time() > deadline:
+            return engines
+        time.sleep(0.5)
+
+
+def _router_port(http_port: int) -> int:
+    """The router replica's own HTTP port, from the config of the HAProxy that owns
+    `http_port`: HAProxy passes a client's hang-up on only sometimes (below), so the test
+    talks to the router as HAProxy does, without it."""
+    import re
+
+    import psutil
+
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == http_port and c.pid:
+            cmd = psutil.Process(c.pid).cmdline()
+            cfg = open(cmd[cmd.index("-f") + 1]).read()
+            return int(re.search(r"server SERVE_REPLICA_rayattn-router-\S+ [^\s:]+:(\d+)",
+                                 cfg).group(1))
+    raise AssertionError(f"nothing listens on {http_port}")
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+def test_hang_up_on_a_whole_answer_aborts_engine_request(ray_cluster, server, path):
+    """A client that leaves before its non-streaming answer is whole (its read timeout) ends
+    the engine's work at once, as a stream's client does.
+
+    Through Serve's HAProxy the hang-up reaches the router only sometimes: HAProxy 2.8
+    holds a half-closed client connection open and waits for the answer (`option
+    abortonclose` drops only queued or connecting requests), so the test connects where
+    HAProxy does (docs/routing.md, "A client that hangs up")."""
+    ask = ({"prompt": "Write a very long story about a dragon."} if "chat" not in path
+           else {"messages": _msgs()})
+    body = {"model": MODEL, **ask, "max_tokens": 1500, "ignore_eos": True}
+    router = f"http://127.0.0.1:{_router_port(ray_cluster['http_port'])}"
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{router}{path}", json=body, timeout=3)
+    # At CPU speed 1,500 tokens take far longer than 20 s: reaching zero means aborted.
+    engines = _engines_drain(server, 20)
+    assert all(e["unfinished"] == 0 for e in engines.values()), engines
+    assert all(e["inflight"] == 0 for e in engines.values()), engines
+
+
 def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
     from ray import serve
 
