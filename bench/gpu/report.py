@@ -152,6 +152,7 @@ def routing(path: Path, tok, out: Path) -> dict:
         legs = " | ".join(f"{v['p50_ms']:.0f} / {v['p99_ms']:.0f}" for v in r["hops"].values())
         print(f"| {r['workload']} | {r['policy']} | {legs} | "
               f"{r.get('rendered_by_router')}/{r['ok']} |")
+    first_turns(rep["runs"])
     print("\nratios rayattn policy / vllm-router policy (means over repeats; - where the "
           "peer's figure is 0):")
     print("| workload | rayattn policy | peer policy | hit/oracle | TTFT p50 | TTFT p90 | "
@@ -169,6 +170,34 @@ def routing(path: Path, tok, out: Path) -> dict:
                           "ttft_p50", "ttft_p90", "later_ttft_p50", "later_ttft_p90",
                           "output_tok_per_s", "wall")) + " |")
     return summary
+
+
+def first_turns(runs: list[dict]) -> None:
+    """Each conversation's first turn (a document nobody has seen) per run: client TTFT for
+    every stack and, for rayattn, where it went before the engine's first token (p50 ms)."""
+    def pct(v: list[float], q: float) -> float:
+        v = sorted(v)
+        return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+
+    print("\nfirst turns per run: TTFT p50 / p90 s; rayattn's legs p50 ms (to router, "
+          "router, to engine, in engine):")
+    print("| stack | policy | run | TTFT p50 | TTFT p90 | to router | router | to engine | "
+          "in engine |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for run in runs:
+        first = [x for x in run.get("results", []) if x["turn"] == 0 and x["status"] == 200]
+        if not first:
+            continue
+        ttft = [x["ttft_s"] for x in first]
+        legs = ["-"] * 4
+        timed = [x for x in first if x.get("router_s") is not None and x.get("hops")]
+        if timed:
+            legs = [f"{1e3 * pct([x[k] for x in timed if x.get(k) is not None], 0.5):.0f}"
+                    for k in ("to_router_s", "router_s")]
+            legs += [f"{1e3 * pct([x['hops'][k] for x in timed], 0.5):.0f}"
+                     for k in ("to_engine_s", "in_engine_s")]
+        print(f"| {run['stack']} | {run['policy']} | {run['repeat']} | {pct(ttft, 0.5):.3f} | "
+              f"{pct(ttft, 0.9):.3f} | " + " | ".join(legs) + " |")
 
 
 def backends(path: Path, out: Path) -> dict:
