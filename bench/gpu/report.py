@@ -123,6 +123,7 @@ def routing(path: Path, tok, out: Path) -> dict:
                "peer_command": rep.get("peer_command"), "args": rep.get("args"),
                "rayattn_startup_s": rep.get("rayattn_startup_s"),
                "peers_up_s": rep.get("peers_up_s")}
+    summary["first_turns"] = first_turns(rep["runs"])
     (out / "routing-summary.json").write_text(json.dumps(summary, indent=1))
     print("\n| workload | stack | policy | hit/oracle | hit | oracle | TTFT p50 s | TTFT p90 s |"
           " later-turn TTFT p50 s | p90 s | output tok/s | wall s | max share |")
@@ -152,7 +153,6 @@ def routing(path: Path, tok, out: Path) -> dict:
         legs = " | ".join(f"{v['p50_ms']:.0f} / {v['p99_ms']:.0f}" for v in r["hops"].values())
         print(f"| {r['workload']} | {r['policy']} | {legs} | "
               f"{r.get('rendered_by_router')}/{r['ok']} |")
-    first_turns(rep["runs"])
     print("\nratios rayattn policy / vllm-router policy (means over repeats; - where the "
           "peer's figure is 0):")
     print("| workload | rayattn policy | peer policy | hit/oracle | TTFT p50 | TTFT p90 | "
@@ -172,32 +172,41 @@ def routing(path: Path, tok, out: Path) -> dict:
     return summary
 
 
-def first_turns(runs: list[dict]) -> None:
-    """Each conversation's first turn (a document nobody has seen) per run: client TTFT for
-    every stack and, for rayattn, where it went before the engine's first token (p50 ms)."""
-    def pct(v: list[float], q: float) -> float:
-        v = sorted(v)
-        return v[min(len(v) - 1, int(q * len(v)))] if v else float("nan")
+def first_turns(runs: list[dict]) -> list[dict]:
+    """Each conversation's first turn per run (in doc_chat, a document nobody has seen
+    yet): client TTFT p50 / p90 (s) for every stack and, for rayattn, the p50 of each leg
+    before the engine's first token (ms, driver.hop_summary's legs)."""
+    from rayattn.bench.stats import percentile
 
-    print("\nfirst turns per run: TTFT p50 / p90 s; rayattn's legs p50 ms (to router, "
-          "router, to engine, in engine):")
-    print("| stack | policy | run | TTFT p50 | TTFT p90 | to router | router | to engine | "
-          "in engine |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    rows = []
     for run in runs:
         first = [x for x in run.get("results", []) if x["turn"] == 0 and x["status"] == 200]
         if not first:
             continue
-        ttft = [x["ttft_s"] for x in first]
-        legs = ["-"] * 4
+        ttft = sorted(x["ttft_s"] for x in first)
+        row = {"stack": run["stack"], "policy": run["policy"], "workload": run["workload"],
+               "repeat": run["repeat"], "n": len(first), "ttft_p50_s": percentile(ttft, 0.5),
+               "ttft_p90_s": percentile(ttft, 0.9)}
         timed = [x for x in first if x.get("router_s") is not None and x.get("hops")]
         if timed:
-            legs = [f"{1e3 * pct([x[k] for x in timed if x.get(k) is not None], 0.5):.0f}"
-                    for k in ("to_router_s", "router_s")]
-            legs += [f"{1e3 * pct([x['hops'][k] for x in timed], 0.5):.0f}"
-                     for k in ("to_engine_s", "in_engine_s")]
-        print(f"| {run['stack']} | {run['policy']} | {run['repeat']} | {pct(ttft, 0.5):.3f} | "
-              f"{pct(ttft, 0.9):.3f} | " + " | ".join(legs) + " |")
+            legs = {"to_router": [x["to_router_s"] for x in timed
+                                  if x.get("to_router_s") is not None],
+                    "router": [x["router_s"] for x in timed],
+                    "to_engine": [x["hops"]["to_engine_s"] for x in timed],
+                    "in_engine": [x["hops"]["in_engine_s"] for x in timed]}
+            row["legs_p50_ms"] = {k: percentile(sorted(v), 0.5) * 1e3 for k, v in legs.items()}
+        rows.append(row)
+    print("\nfirst turns per run: TTFT p50 / p90 s; rayattn's legs p50 ms (to router, "
+          "router, to engine, in engine):")
+    print("| workload | stack | policy | run | TTFT p50 | TTFT p90 | to router | router | "
+          "to engine | in engine |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        legs = r.get("legs_p50_ms")
+        cells = [f"{v:.0f}" for v in legs.values()] if legs else ["-"] * 4
+        print(f"| {r['workload']} | {r['stack']} | {r['policy']} | {r['repeat']} | "
+              f"{r['ttft_p50_s']:.3f} | {r['ttft_p90_s']:.3f} | " + " | ".join(cells) + " |")
+    return rows
 
 
 def backends(path: Path, out: Path) -> dict:

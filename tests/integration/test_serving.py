@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -291,21 +293,18 @@ def test_disconnect_mid_stream_aborts_engine_request(server):
             n += line.startswith("data: ")
             if n >= 3:
                 break  # hang up with ~1,500 tokens still to generate
-    deadline = time.time() + 20
-    while time.time() < deadline:
-        engines = httpx.get(f"{server}/health").json()["engines"]
-        if all(e["unfinished"] == 0 and e["inflight"] == 0 for e in engines.values()):
-            break
-        time.sleep(0.5)
+    engines = _engines_drain(server, 20)
     # At CPU speed 1,500 tokens take far longer than 20 s: reaching zero means aborted.
     assert all(e["unfinished"] == 0 for e in engines.values()), engines
     assert all(e["inflight"] == 0 for e in engines.values()), engines
 
 
 def _engines_drain(server: str, within_s: float) -> dict:
+    """The engines as the router last saw them: once none has a request left, or at
+    `within_s`."""
     deadline = time.time() + within_s
     while True:
-        engines = httpx.get(f"{server}/health").json()["engines"]
+        engines = httpx.get(f"{server}/health", timeout=30).json()["engines"]
         if all(e["unfinished"] == 0 and e["inflight"] == 0 for e in engines.values()) \
                 or time.time() > deadline:
             return engines
@@ -314,36 +313,60 @@ def _engines_drain(server: str, within_s: float) -> dict:
 
 def _router_port(http_port: int) -> int:
     """The router replica's own HTTP port, from the config of the HAProxy that owns
-    `http_port`: HAProxy passes a client's hang-up on only sometimes (below), so the test
-    talks to the router as HAProxy does, without it."""
-    import re
-
+    `http_port`."""
     import psutil
 
+    from tests.conftest import local_config
+
+    app = local_config()["applications"][0]["name"]
     for c in psutil.net_connections("tcp"):
-        if c.status == psutil.CONN_LISTEN and c.laddr.port == http_port and c.pid:
-            cmd = psutil.Process(c.pid).cmdline()
-            cfg = open(cmd[cmd.index("-f") + 1]).read()
-            return int(re.search(r"server SERVE_REPLICA_rayattn-router-\S+ [^\s:]+:(\d+)",
-                                 cfg).group(1))
+        if c.status != psutil.CONN_LISTEN or c.laddr.port != http_port or not c.pid:
+            continue
+        try:
+            proc = psutil.Process(c.pid)
+            cmd = proc.cmdline()
+        except psutil.Error:  # an HAProxy worker replaced by a reload
+            continue
+        if proc.name() != "haproxy":
+            pytest.skip("clients reach the router through Serve's proxy, not HAProxy")
+        cfg = Path(cmd[cmd.index("-f") + 1]).read_text()
+        found = re.search(rf"server SERVE_REPLICA_{re.escape(app)}-router-\S+ [^\s:]+:(\d+)",
+                          cfg)
+        assert found, cfg
+        return int(found.group(1))
     raise AssertionError(f"nothing listens on {http_port}")
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 def test_hang_up_on_a_whole_answer_aborts_engine_request(ray_cluster, server, path):
-    """A client that leaves before its non-streaming answer is whole (its read timeout) ends
-    the engine's work at once, as a stream's client does.
+    """A client that leaves while its non-streaming answer is being generated ends the
+    engine's work at once, as a stream's client does.
 
-    Through Serve's HAProxy the hang-up reaches the router only sometimes: HAProxy 2.8
-    holds a half-closed client connection open and waits for the answer (`option
-    abortonclose` drops only queued or connecting requests), so the test connects where
-    HAProxy does (docs/routing.md, "A client that hangs up")."""
+    The test connects where HAProxy does, to the router replica's own port: through Serve's
+    HAProxy the hang-up reaches the router only sometimes (docs/routing.md, "Failure
+    semantics")."""
     ask = ({"prompt": "Write a very long story about a dragon."} if "chat" not in path
            else {"messages": _msgs()})
     body = {"model": MODEL, **ask, "max_tokens": 1500, "ignore_eos": True}
     router = f"http://127.0.0.1:{_router_port(ray_cluster['http_port'])}"
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{router}{path}", json=body, timeout=3)
+
+    async def leave_once_running() -> dict:
+        async with httpx.AsyncClient(timeout=120) as http:
+            call = asyncio.create_task(http.post(f"{router}{path}", json=body))
+            engines: dict = {}
+            deadline = time.time() + 60
+            while time.time() < deadline and not call.done():
+                engines = (await http.get(f"{server}/health")).json()["engines"]
+                if any(e["unfinished"] for e in engines.values()):
+                    break  # the engine runs it: hang up now
+                await asyncio.sleep(0.2)
+            assert not call.done(), "answered before the engine was seen running it"
+            call.cancel()  # closes the connection, as a client's read timeout does
+            await asyncio.gather(call, return_exceptions=True)
+            return engines
+
+    running = asyncio.run(leave_once_running())
+    assert any(e["unfinished"] for e in running.values()), running
     # At CPU speed 1,500 tokens take far longer than 20 s: reaching zero means aborted.
     engines = _engines_drain(server, 20)
     assert all(e["unfinished"] == 0 for e in engines.values()), engines
