@@ -74,9 +74,8 @@ def _env(plan: Plan, api_keys: bool) -> list[dict[str, Any]]:
     # Every node: each starts Ray processes that read Serve's ingress flags (front_door.py)
     # and Ray's worker niceness (cpu_priority.py).
     # The plan's env last: an operator's own choice (engine.env) wins.
-    front = cluster_env(plan.config.router.session_header)
-    env = [{"name": k, "value": v}
-           for k, v in sorted({**front, **plan.env}.items())]
+    ray_env = cluster_env(plan.config.router.session_header)
+    env = [{"name": k, "value": v} for k, v in sorted({**ray_env, **plan.env}.items())]
     env += [
         # Never inline the token: read it from a Secret the operator creates. Engines load
         # weights with it, routers the tokenizer.

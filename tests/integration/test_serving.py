@@ -221,17 +221,7 @@ def test_models_and_health(server):
 def test_clients_reach_the_router_through_haproxy(ray_cluster, server):
     """The Ray the tests start (as make serve's) takes requests through Serve's HAProxy
     ingress: HAProxy owns the HTTP port, and the router says it was set up for it."""
-    import psutil
-
-    def name(pid: int) -> str | None:
-        try:
-            return psutil.Process(pid).name()
-        except psutil.Error:  # an HAProxy worker replaced by a reload
-            return None
-
-    port = ray_cluster["http_port"]
-    owners = {name(c.pid) for c in psutil.net_connections("tcp")
-              if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid} - {None}
+    owners = {p.name() for p in _listeners(ray_cluster["http_port"])}
     assert owners == {"haproxy"}, owners
     from tests.conftest import session_header
 
@@ -311,30 +301,38 @@ def _engines_drain(server: str, within_s: float) -> dict:
         time.sleep(0.5)
 
 
+def _listeners(port: int) -> list:
+    """The live processes listening on `port` (psutil.Process, name and command line read)."""
+    import psutil
+
+    out = []
+    for c in psutil.net_connections("tcp"):
+        if c.status == psutil.CONN_LISTEN and c.laddr.port == port and c.pid:
+            try:
+                proc = psutil.Process(c.pid)
+                proc.name(), proc.cmdline()  # read now: the process may be gone later
+            except psutil.Error:  # an HAProxy worker replaced by a reload
+                continue
+            out.append(proc)
+    return out
+
+
 def _router_port(http_port: int) -> int:
     """The router replica's own HTTP port, from the config of the HAProxy that owns
     `http_port`."""
-    import psutil
-
     from tests.conftest import local_config
 
     app = local_config()["applications"][0]["name"]
-    for c in psutil.net_connections("tcp"):
-        if c.status != psutil.CONN_LISTEN or c.laddr.port != http_port or not c.pid:
-            continue
-        try:
-            proc = psutil.Process(c.pid)
-            cmd = proc.cmdline()
-        except psutil.Error:  # an HAProxy worker replaced by a reload
-            continue
-        if proc.name() != "haproxy":
-            pytest.skip("clients reach the router through Serve's proxy, not HAProxy")
-        cfg = Path(cmd[cmd.index("-f") + 1]).read_text()
-        found = re.search(rf"server SERVE_REPLICA_{re.escape(app)}-router-\S+ [^\s:]+:(\d+)",
-                          cfg)
-        assert found, cfg
-        return int(found.group(1))
-    raise AssertionError(f"nothing listens on {http_port}")
+    owners = _listeners(http_port)
+    assert owners, f"nothing listens on {http_port}"
+    haproxy = [p for p in owners if p.name() == "haproxy"]
+    if not haproxy:
+        pytest.skip("clients reach the router through Serve's proxy, not HAProxy")
+    cmd = haproxy[0].cmdline()
+    cfg = Path(cmd[cmd.index("-f") + 1]).read_text()
+    found = re.search(rf"server SERVE_REPLICA_{re.escape(app)}-router-\S+ [^\s:]+:(\d+)", cfg)
+    assert found, cfg
+    return int(found.group(1))
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

