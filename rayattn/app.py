@@ -173,4 +173,4 @@ def wait_running(app_name: str, timeout_s: float = 600) -> None:
             raise RuntimeError(f"Serve application {app_name!r} failed: {app.message}")
         if time.monotonic() > deadline:
             raise TimeoutError(f"Serve application {app_name!r} still {status}")
-        time.sleep(1)
+        time.sleep(0.25)

@@ -7,7 +7,7 @@ import argparse
 import sys
 
 from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
-from rayattn.config.plan import PlanError, build_plan
+from rayattn.config.plan import PlanError, build_plan, cpu_shortfall
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -50,6 +50,31 @@ def cmd_render(args: argparse.Namespace) -> int:
     return render_main(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    """`serve run <config>` in the environment the cluster it starts needs (HAProxy front
+    door, worker priority: cluster_env.py), once the ports it binds are known to be free."""
+    import os
+
+    from rayattn import cluster_env
+    from rayattn.server.front_door import ports_held
+
+    config = load_serve_config(args.config)
+    cluster_env.apply(rayattn_apps(config)[0][1].router.session_header)
+    problems = ports_held(config)
+    if not os.environ.get("RAY_ADDRESS"):  # `serve run` starts a Ray of this machine's CPUs
+        from ray._private.utils import get_num_cpus
+
+        short = cpu_shortfall(rayattn_apps(config), get_num_cpus())
+        problems += [short] if short else []
+    for line in problems:
+        print(f"rayattn serve: {line}", file=sys.stderr)
+    if problems:
+        return 1
+    serve = os.path.join(os.path.dirname(sys.executable), "serve")
+    os.execv(serve, [serve, "run", args.config])
+    return 0  # pragma: no cover - execv does not return
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="rayattn")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -69,6 +94,10 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--experts", type=int, help="real shapes: override the routed experts")
     t.add_argument("--max-pos", type=int, help="real shapes: max_position_embeddings")
     t.set_defaults(fn=cmd_tiny)
+    s = sub.add_parser("serve", help="`serve run` a Serve config with rayattn's cluster "
+                       "environment, after checking its ports are free")
+    s.add_argument("config")
+    s.set_defaults(fn=cmd_serve)
     r = sub.add_parser("render-k8s", help="render a KubeRay RayService from a Serve config")
     r.add_argument("config")
     r.add_argument("-o", "--out", help="write here instead of stdout")

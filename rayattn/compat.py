@@ -42,6 +42,8 @@ import os
 from collections.abc import MutableMapping
 from typing import Any
 
+from rayattn.ports import pick_port
+
 log = logging.getLogger("rayattn.compat")
 
 VLLM_MIN = (0, 25)
@@ -159,20 +161,15 @@ def engine_env_defaults(platform: str, engine_kwargs: dict[str, Any] | None = No
         env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
     if (platform != "cpu" and kw.get("distributed_executor_backend") == "ray"
             and kw.get("data_parallel_size", 1) == 1 and tcpstore_port_race()):
-        # Give this engine its own TCPStore port window (see tcpstore_port_race): a port
-        # the OS has just handed out, so co-located replicas start their probes apart. With
+        # Give this engine its own TCPStore port window (see tcpstore_port_race), free and
+        # outside the ephemeral range (ports.py), so co-located replicas probe apart. With
         # vLLM's own DP (data_parallel_size > 1) the variable is vLLM's and left alone.
-        env["VLLM_DP_MASTER_PORT"] = str(free_port() - 100)
+        env["VLLM_DP_MASTER_PORT"] = str(pick_port(span=TCPSTORE_WINDOW) - 100)
     return env
 
 
-def free_port() -> int:
-    """A TCP port the OS has just handed out (free now, not reserved)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
+TCPSTORE_WINDOW = 32
+"""Ports vLLM 0.25's Ray executor probes from VLLM_DP_MASTER_PORT + 100 for one DP rank."""
 
 
 def apply_engine_env(environ: MutableMapping[str, str], platform: str,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -16,6 +15,8 @@ import yaml
 
 from rayattn import cluster_env
 from rayattn.bench.cli import wait_healthy
+from rayattn.ports import pick_port
+from tests import areas
 
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -23,10 +24,8 @@ for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_
     os.environ.setdefault(k, v)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def pytest_configure(config: pytest.Config) -> None:
+    areas.configure(config)
 
 
 def local_config() -> dict:
@@ -56,6 +55,14 @@ cluster_env.apply(session_header())
 # connections it holds to the routers it knew, and at 2 s a router updated under load was
 # gone before them (a 500 and two cut connections in 591 requests).
 os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "10")
+# The ports of this session's Serve, chosen once where no other process can take them
+# (rayattn/ports.py): the lifecycle tests start and stop `rayattn serve` on them before the
+# session's cluster starts on them again. HAProxy's stats and metrics and Serve's fallback
+# proxy have fixed ports by default: free ones let the suite run beside a `make serve`.
+PORTS = {"http": pick_port(), "metrics": pick_port()}
+for _k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
+           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
+    os.environ.setdefault(_k, str(pick_port()))
 
 
 def still_running(pids: list[int], until: float) -> list[int]:
@@ -92,16 +99,10 @@ def ray_cluster():
     import ray
     from ray import serve
 
-    metrics_port = free_port()
-    http_port = free_port()
-    # HAProxy's stats, its metrics and Serve's fallback proxy have fixed ports by default:
-    # free ones let this cluster start next to another (a `make serve` on the same host).
-    for k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-              "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
-        os.environ.setdefault(k, str(free_port()))
-    # Logical CPUs: the 2 engines reserve 1 each; the rest is headroom for the router and
-    # a restarted replica. Metrics pushed every second so tests need not wait 10 s.
-    ray.init(num_cpus=4, include_dashboard=False, _metrics_export_port=metrics_port,
+    metrics_port, http_port = PORTS["metrics"], PORTS["http"]
+    areas.progress("starting Ray and Serve (the CPUs Ray finds here, as `make serve` does)")
+    # Metrics pushed every second so tests need not wait 10 s.
+    ray.init(include_dashboard=False, _metrics_export_port=metrics_port,
              _system_config={"metrics_report_interval_ms": 1000})
     serve.start(http_options={"host": "127.0.0.1", "port": http_port})
     before = set(vllm_processes())  # someone else's, if any: not ours to judge
@@ -122,7 +123,7 @@ def prometheus(ray_cluster, tmp_path_factory):
     assert PROMETHEUS and PROMTOOL, \
         "prometheus/promtool not on PATH: run ./scripts/install-prometheus.sh (make test does)"
     d = tmp_path_factory.mktemp("prom")
-    port = free_port()
+    port = pick_port()
     cfg = {"global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
            "scrape_configs": [{"job_name": "ray", "static_configs": [
                {"targets": [f"127.0.0.1:{ray_cluster['metrics_port']}"]}]}]}
@@ -150,11 +151,12 @@ def deploy_own_app(cfg: dict, ray_cluster: dict, what: str) -> str:
     from rayattn.app import deploy_config, wait_running
 
     t0 = time.time()
+    areas.progress(f"deploying {what}")
     deploy_config(cfg)
     wait_running(cfg["applications"][0]["name"])
     url = f"http://127.0.0.1:{ray_cluster['http_port']}"
     wait_healthy(url)
-    print(f"\n{what} ready in {time.time() - t0:.1f}s")
+    areas.progress(f"{what} ready in {time.time() - t0:.1f}s")
     return url
 
 
@@ -163,12 +165,13 @@ def server(ray_cluster):
     from rayattn.app import deploy_config, wait_running
 
     t0 = time.time()
+    areas.progress("deploying deployments/local.yaml (2 vLLM CPU engines)")
     # Declaratively, as `serve run deployments/local.yaml` (make serve) does.
     deploy_config(local_config())
     wait_running("rayattn")
     url = f"http://127.0.0.1:{ray_cluster['http_port']}"
     wait_healthy(url)
-    print(f"\nlocal deployment ready in {time.time() - t0:.1f}s")
+    areas.progress(f"local deployment ready in {time.time() - t0:.1f}s")
     return url
 
 
@@ -197,7 +200,11 @@ def pytest_collection_modifyitems(config, items):
     # Disruptive tests kill replicas of the shared deployment: run them last, then the few
     # that need what they leave behind (retry/failure counters).
     # Tests on an application of their own replace the shared one: after everything else.
+    # The lifecycle tests start and stop whole clusters (`ray stop --force` ends every Ray
+    # of the machine): before the session's own cluster starts.
     def order(it) -> int:
+        if it.get_closest_marker("lifecycle"):
+            return -1
         if it.get_closest_marker("own_app"):
             return 3
         if it.get_closest_marker("after_disruptive"):

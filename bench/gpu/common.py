@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,6 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def log(*a: Any) -> None:
     print(time.strftime("%H:%M:%S"), *a, flush=True)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float, ok=lambda r: r.status_code == 200) -> float:
@@ -84,6 +77,7 @@ class RayattnApp:
     def __init__(self, args: dict, num_gpus: int, port: int = 8000) -> None:
         from rayattn import cluster_env
         from rayattn.config.loader import parse_args
+        from rayattn.ports import pick_port
 
         # Before Ray is imported: the cluster's HAProxy ingress, its workers' priority.
         cluster_env.apply(parse_args(args).router.session_header)
@@ -93,7 +87,7 @@ class RayattnApp:
         from rayattn.app import deploy_config
         from rayattn.config.loader import parse_args as parse
 
-        self.metrics_port = free_port()
+        self.metrics_port = pick_port()
         t0 = time.time()
         ray.init(num_gpus=num_gpus, include_dashboard=False,
                  _metrics_export_port=self.metrics_port,

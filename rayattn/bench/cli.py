@@ -64,7 +64,7 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
-    ray.init(address="local", num_cpus=4, include_dashboard=False)
+    ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
     deploy_config(serve_config)
@@ -90,7 +90,7 @@ def wait_healthy(url: str, timeout: float = 300) -> dict:
                 return last
         except (httpx.HTTPError, ValueError) as e:  # proxy or route not up yet
             last = repr(e)
-        time.sleep(1)
+        time.sleep(0.25)
     raise TimeoutError(f"deployment not healthy: {last}")
 
 

