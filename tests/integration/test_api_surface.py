@@ -31,20 +31,45 @@ def _router(name: str, args: dict, env: dict[str, str], engines):
 
 
 @pytest.fixture(scope="module")
-def keyed(server):
-    """A second router on the same engines whose keys come from its environment."""
+def tenants(server):
+    """A second router on the same engines whose keys come from its environment, with a
+    per-key cap on the engines (issue 25, item 7): `key-one` and `key-two` for the key and
+    isolation tests, `greedy-key` and `light-key` for the fair-share one (one router start
+    for both)."""
     from ray import serve
 
     args = local_args()
-    args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True}
+    args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True,
+                      "max_inflight": 512, "key_max_inflight": 4}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
-    serve.run(_router("router-keyed", args, {"TEST_API_KEYS": "key-one, key-two"}, engines),
+    keys = "key-one, key-two, greedy-key, light-key"
+    serve.run(_router("router-keyed", args, {"TEST_API_KEYS": keys}, engines),
               name="keyed", route_prefix="/keyed", blocking=False)
     url = f"{server}/keyed"
     # /health is open, so readiness needs no key.
     wait_healthy(url)
     yield url
-    serve.delete("keyed")
+    # Serve lets the leaving router finish its in-flight requests (serve's
+    # graceful_shutdown_timeout_s): the greedy key's cancelled streams, most of them queued
+    # behind its cap, can take it past serve.delete's own 60 s wait on 2 shared cores (seen
+    # once in a fresh clone).
+    serve.delete("keyed", _blocking=False)
+    from rayattn.config.loader import parse_args
+
+    deadline = time.monotonic() + parse_args(args).serve.graceful_shutdown_timeout_s + 60
+    while "keyed" in serve.status().applications:
+        assert time.monotonic() < deadline, "the keyed router did not leave"
+        time.sleep(0.25)
+
+
+@pytest.fixture
+def keyed(tenants):
+    return tenants
+
+
+@pytest.fixture
+def shared_by_two_keys(tenants):
+    return tenants
 
 
 def test_api_keys_401_without_and_200_with(keyed):
@@ -106,7 +131,7 @@ def test_admin_reset_refuses_a_switch_that_would_reach_one_router_of_several(ser
         assert after.json()["policy"] == before.json()["policy"]
         assert after.json()["index"] == before.json()["index"]
     finally:
-        serve.delete("scaled")
+        serve.delete("scaled", _blocking=False)  # nothing of it is needed again
 
 
 def test_tenants_see_neither_the_routers_account_nor_healths_details(keyed, server):
@@ -189,33 +214,6 @@ def test_one_tenant_cannot_learn_from_the_cache_what_another_sent(keyed):
     assert "rayattn" not in probe
     # ...while A, asking the same again, is served from cache.
     assert cached(chat(a, messages, "conv")) >= first["usage"]["prompt_tokens"] // 32 * 32 - 32
-
-
-@pytest.fixture(scope="module")
-def shared_by_two_keys(server):
-    """A router on the shared engines with a per-key cap on the engines (issue 25, item 7)."""
-    from ray import serve
-
-    args = local_args()
-    args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "max_inflight": 512,
-                      "key_max_inflight": 4}
-    engines = serve.get_deployment_handle("engine", app_name="rayattn")
-    serve.run(_router("router-fair", args, {"TEST_API_KEYS": "greedy-key, light-key"},
-                      engines), name="fair", route_prefix="/fair", blocking=False)
-    url = f"{server}/fair"
-    wait_healthy(url)
-    yield url
-    # Serve lets the leaving router finish its in-flight requests (serve's
-    # graceful_shutdown_timeout_s): the greedy key's cancelled streams, most of them queued
-    # behind its cap, can take it past serve.delete's own 60 s wait on 2 shared cores (seen
-    # once in a fresh clone).
-    serve.delete("fair", _blocking=False)
-    from rayattn.config.loader import parse_args
-
-    deadline = time.monotonic() + parse_args(args).serve.graceful_shutdown_timeout_s + 60
-    while "fair" in serve.status().applications:
-        assert time.monotonic() < deadline, "the fair router did not leave"
-        time.sleep(1)
 
 
 def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):

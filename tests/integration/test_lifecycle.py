@@ -78,7 +78,8 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
     """`rayattn serve <config>` in a process group of its own, as from a terminal; returns
     it once the app answers a chat completion."""
     t0 = time.time()
-    env = {**os.environ, **MAKE_ENV}
+    # Routers leaving at the stop drain 1 s, not the session's 10 (no client is left).
+    env = {**os.environ, **MAKE_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
     # The session's own cluster settings are not a user's: the start sets its own.
     for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
               "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",

@@ -130,7 +130,7 @@ def chat_app(ray_cluster, server, tmp_path_factory):
         "model": {"source": str(path), "served_name": "tiny-chat", "max_model_len": 1024,
                   "reasoning_parser": "qwen3", "tool_call_parser": "hermes",
                   "chat_template": str(template)},
-        "platform": {"kind": "cpu", "cpus_per_engine": 1},
+        "platform": {"kind": "cpu", "cpus_per_engine": 0.5},
         "attention": {"block_size": 32},
         "engine": {"kv_cache_memory_bytes": 64 * 2**20, "max_num_seqs": 8,
                    "extra_engine_kwargs": {"structured_outputs_config":
@@ -140,7 +140,7 @@ def chat_app(ray_cluster, server, tmp_path_factory):
     url = f"{server}/chat"
     wait_healthy(url, timeout=600)
     yield url, args
-    serve.delete("chat")
+    serve.delete("chat", _blocking=False)  # nothing of it is needed again
 
 
 @pytest.fixture(scope="module")

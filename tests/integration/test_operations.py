@@ -85,7 +85,7 @@ def _wait(what: str, check, timeout_s: float = 300):
                 return out
         except (httpx.HTTPError, ValueError, KeyError):
             pass
-        time.sleep(0.5)
+        time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
 
 
@@ -111,14 +111,15 @@ def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
     _router_settings(changed).update(policy="round_robin", max_inflight=100)
     try:
         with Load(server) as load:
-            time.sleep(3)
+            _wait("requests under way", lambda: len(load.done) >= 8, 60)
             t0 = time.time()
             deploy_config(changed)
             while _health(server)["policy"] != "round_robin":
                 assert time.time() - t0 < 60, "new router settings never applied"
-                time.sleep(0.5)
+                time.sleep(0.25)
             applied = time.time() - t0
-            time.sleep(3)
+            n = len(load.done)
+            _wait("requests after the change", lambda: len(load.done) >= n + 8, 60)
         during = _health(server)
     finally:
         deploy_config(cfg)
@@ -153,7 +154,7 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     elastic = copy.deepcopy(cfg)
     _engine_entry(elastic)["autoscaling_config"].update(
         min_replicas=1, max_replicas=2, target_ongoing_requests=3, upscale_delay_s=2,
-        downscale_delay_s=8, look_back_period_s=4, metrics_interval_s=1)
+        downscale_delay_s=3, look_back_period_s=4, metrics_interval_s=1)
     before = _health(server)
     try:
         deploy_config(elastic)
@@ -172,13 +173,17 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             t_up = time.time()
             first = _wait("the new replica serving", lambda: next(
                 (t for t, code, r in load.done if r == up and code == 200), None), 60)
-            time.sleep(10)
-        blocks = _health(server)["engines"][up]["cache_view"]["blocks"]
+            # Both replicas take a share of the load, and the router follows the new one's
+            # cache (its KV events).
+            blocks = _wait("both replicas serving, the new one's cache seen", lambda: (
+                load.served_by(up) >= 8 and load.served_by(one[0]) >= 8
+                and _health(server)["engines"][up]["cache_view"]["blocks"]), 120)
         with Load(server, streams=1) as drain:
             _wait("scale-down back to one replica",
                   lambda: _health(server)["replicas"] == 1, 180)
             t_down = time.time()
-            time.sleep(3)
+            n = len(drain.done)
+            _wait("requests after the scale-down", lambda: len(drain.done) >= n + 3, 60)
         after = _health(server)
     finally:
         deploy_config(cfg)
@@ -220,7 +225,7 @@ def test_rolling_engine_update_under_load_fails_nothing(ray_cluster, server):
     changed["applications"][0]["args"]["engine"]["max_num_seqs"] = 24
     up_counts = []
     with Load(server, streams=8) as load:
-        time.sleep(3)
+        _wait("requests under way", lambda: len(load.done) >= 8, 60)
         t0 = time.time()
         deploy_config(changed)
 
@@ -231,7 +236,9 @@ def test_rolling_engine_update_under_load_fails_nothing(ray_cluster, server):
 
         _wait("both engine replicas replaced", replaced, 480)
         took = time.time() - t0
-        time.sleep(3)
+        # The new replicas take requests (each at least one, asserted below).
+        _wait("requests on both new replicas", lambda: all(
+            load.served_by(n, since=t0) > 0 for n in _health(server)["replicas_up"]), 60)
     after = _health(server)
     left = still_running([p for pids in old.values() for p in pids], until=time.time() + 30)
     new = set(after["replicas_up"])

@@ -107,7 +107,7 @@ def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
             assert time.time() < deadline, health(other)["engines"]
             time.sleep(0.1)
     finally:
-        serve.delete("second")
+        serve.delete("second", _blocking=False)  # nothing of it is needed again
 
 
 def test_engine_validation_error_is_one_400_without_retry(server):

@@ -382,7 +382,10 @@ def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
     # An engine deployment none of whose replicas can start (its model is missing).
     broken = {**local_args(), "model": {**local_args()["model"], "source": "/nonexistent"}}
     opts = engine_options(build_plan(parse_args(local_args())))
-    none = Engine.options(**opts).bind(broken)
+    # One replica is enough to never start (each failed start costs the machine an engine's
+    # imports).
+    opts.pop("autoscaling_config", None)
+    none = Engine.options(**{**opts, "num_replicas": 1}).bind(broken)
     # That app never runs: don't wait for it.
     serve.run_many([serve.RunTarget(Router.options(name="router-empty").bind(local_args(), none),
                                     name="empty", route_prefix="/empty")],
@@ -398,10 +401,10 @@ def test_503_with_retry_after_when_no_replica_is_ready(ray_cluster, server):
             continue
         if r.status_code != 404:  # the route exists once the app is up
             break
-        time.sleep(1)
+        time.sleep(0.25)
     models = httpx.get(f"{server}/empty/v1/models", timeout=30)
     health = httpx.get(f"{server}/empty/health", timeout=30)
-    serve.delete("empty")
+    serve.delete("empty", _blocking=False)  # nothing of it is needed again
     assert r.status_code == 503, r.text
     assert int(r.headers["retry-after"]) > 0
     assert "no engine replica" in r.json()["error"]["message"]
