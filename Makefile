@@ -35,4 +35,6 @@ test: venv
 	./scripts/install-prometheus.sh
 	@echo "[test] ruff"
 	.venv/bin/ruff check rayattn tests bench
-	PATH="$(CURDIR)/.venv/prometheus/bin:$$PATH" ./scripts/test.sh
+	@echo "[test] pytest: the lifecycle tests start and stop whole clusters first, then one Ray" \
+	  "cluster serves every other integration test, then the unit tests run"
+	PATH="$(CURDIR)/.venv/prometheus/bin:$$PATH" .venv/bin/python -m pytest -v --durations=15

@@ -52,27 +52,36 @@ def cmd_render(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     """`serve run <config>` in the environment the cluster it starts needs (HAProxy front
-    door, worker priority: cluster_env.py), once the ports it binds are known to be free."""
+    door, worker priority: cluster_env.py), once the ports it binds are known to be free and
+    its engines fit the CPUs Ray will find."""
     import os
+    import shutil
 
     from rayattn import cluster_env
     from rayattn.server.front_door import ports_held
 
-    config = load_serve_config(args.config)
-    cluster_env.apply(rayattn_apps(config)[0][1].router.session_header)
-    problems = ports_held(config)
-    if not os.environ.get("RAY_ADDRESS"):  # `serve run` starts a Ray of this machine's CPUs
-        from ray._private.utils import get_num_cpus
+    try:
+        config = load_serve_config(args.config)
+        apps = rayattn_apps(config)
+        cluster_env.apply(apps[0][1].router.session_header)
+        problems = []
+        if not os.environ.get("RAY_ADDRESS"):
+            # `serve run` starts a Ray of this machine's CPUs, whose front door binds these.
+            from ray._private.utils import get_num_cpus
 
-        short = cpu_shortfall(rayattn_apps(config), get_num_cpus())
-        problems += [short] if short else []
+            problems = ports_held(config)
+            short = cpu_shortfall(apps, get_num_cpus())
+            problems += [short] if short else []
+    except (ConfigError, PlanError, OSError) as e:
+        problems = [f"{args.config}: " + " ".join(str(e).split())]
     for line in problems:
         print(f"rayattn serve: {line}", file=sys.stderr)
     if problems:
         return 1
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
-    os.execv(serve, [serve, "run", args.config])
-    return 0  # pragma: no cover - execv does not return
+    serve = serve if os.access(serve, os.X_OK) else shutil.which("serve") or "serve"
+    os.execvp(serve, [serve, "run", args.config])
+    return 0  # pragma: no cover - exec does not return
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,10 @@ the kernel never assigns a port by itself, and above Ray's worker ports (10002-1
 default). Two rayattn processes on one host do not pick the same port: each holds a
 `flock` on a file named for its port for as long as it lives.
 
+Ray Serve's routers bind their own ports in ranges of their own (direct ingress); those are
+left out too. Where the machine leaves nothing outside the ephemeral range (a widened
+`ip_local_port_range`), a port the kernel hands out is the fallback, with a warning.
+
 `holder` names the process listening on a port, for start-up errors that say who holds it.
 """
 
@@ -17,11 +21,15 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 import random
 import socket
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
+
+log = logging.getLogger(__name__)
 
 EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
 RESERVED_PORTS_FILE = "/proc/sys/net/ipv4/ip_local_reserved_ports"
@@ -29,7 +37,12 @@ LOWEST = 20000
 """Below: Ray's worker ports (10002-19999) and the well-known services' ports."""
 DEFAULT_EPHEMERAL = (32768, 60999)
 """Linux's default, for a machine that does not say."""
-LOCK_DIR = Path(tempfile.gettempdir()) / "rayattn-ports"
+_INGRESS = "RAY_SERVE_DIRECT_INGRESS_"
+SERVE_RANGES = {(f"{_INGRESS}MIN_HTTP_PORT", f"{_INGRESS}MAX_HTTP_PORT"): (30000, 31000),
+                (f"{_INGRESS}MIN_GRPC_PORT", f"{_INGRESS}MAX_GRPC_PORT"): (40000, 41000)}
+"""Where Ray Serve's router replicas bind their own HTTP and gRPC ports: variables, Ray's
+defaults (ray/serve/_private/constants.py)."""
+LOCK_DIR = Path(tempfile.gettempdir()) / f"rayattn-ports-{os.getuid()}"
 
 _held: dict[int, int] = {}
 """Port → descriptor of its lock file, kept open for the life of this process."""
@@ -56,11 +69,24 @@ def _reserved(path: str = RESERVED_PORTS_FILE) -> set[int]:
     return out
 
 
-def candidates(ephemeral: tuple[int, int] | None = None) -> list[int]:
-    """Ports `pick_port` may choose: from LOWEST up, outside the ephemeral range."""
-    lo, hi = ephemeral or ephemeral_range()
+def _serve_ranges(environ: Mapping[str, str]) -> list[tuple[int, int]]:
+    out = []
+    for (lo_var, hi_var), (lo, hi) in SERVE_RANGES.items():
+        try:
+            out.append((int(environ.get(lo_var, lo)), int(environ.get(hi_var, hi))))
+        except ValueError:
+            out.append((lo, hi))
+    return out
+
+
+def candidates(ephemeral: tuple[int, int] | None = None,
+               environ: Mapping[str, str] = os.environ) -> list[int]:
+    """Ports `pick_port` may choose: from LOWEST up, outside the ephemeral range and Serve's
+    router ranges."""
+    taken = [ephemeral or ephemeral_range(), *_serve_ranges(environ)]
     reserved = _reserved()
-    return [p for p in range(LOWEST, 65536) if not lo <= p <= hi and p not in reserved]
+    return [p for p in range(LOWEST, 65536)
+            if p not in reserved and not any(lo <= p <= hi for lo, hi in taken)]
 
 
 def bindable(port: int) -> bool:
@@ -80,8 +106,13 @@ def bindable(port: int) -> bool:
 
 
 def _lock(port: int) -> bool:
-    LOCK_DIR.mkdir(mode=0o777, exist_ok=True)
-    fd = os.open(LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o666)
+    """Hold `port`'s lock file (False where another process holds it, or it cannot be
+    made)."""
+    try:
+        LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
+        fd = os.open(LOCK_DIR / str(port), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -91,29 +122,43 @@ def _lock(port: int) -> bool:
     return True
 
 
-def release(port: int) -> None:
-    """Let other rayattn processes pick `port` again (it stays reserved until then)."""
-    fd = _held.pop(port, None)
-    if fd is not None:
-        os.close(fd)
+def release(port: int, span: int = 1) -> None:
+    """Let other rayattn processes pick `port` (and the `span - 1` after it) again."""
+    for p in range(port, port + span):
+        fd = _held.pop(p, None)
+        if fd is not None:
+            os.close(fd)
+
+
+def _kernel_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
 
 
 def pick_port(span: int = 1) -> int:
     """A port, with the `span - 1` after it, that nothing binds now, that the kernel will
     not hand to an outgoing connection, and that no other rayattn process on this host
-    picks while this one lives. Raises RuntimeError when there is none."""
+    picks while this one lives (every port of the window is held)."""
     pool = candidates()
     allowed = set(pool)
     for port in random.sample(pool, len(pool)):
-        if port in _held or any(port + i not in allowed for i in range(span)):
+        window = range(port, port + span)
+        if any(p in _held or p not in allowed for p in window):
             continue
-        if not _lock(port):
-            continue
-        if all(bindable(port + i) for i in range(span)):
+        locked = 0
+        for p in window:
+            if not _lock(p):
+                break
+            locked += 1
+        if locked == span and all(bindable(p) for p in window):
             return port
-        release(port)
+        release(port, locked)
     lo, hi = ephemeral_range()
-    raise RuntimeError(f"no free port from {LOWEST} outside the ephemeral range {lo}-{hi}")
+    log.warning("no free port from %d outside the ephemeral range %d-%d and Serve's router "
+                "ranges: using one the kernel hands out, which another process may take "
+                "before it is bound", LOWEST, lo, hi)
+    return _kernel_port()
 
 
 def holder(port: int) -> str | None:

@@ -3,13 +3,11 @@ skipped, time), and progress lines while the cluster and the apps start."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import pytest
+from _pytest.terminal import TerminalReporter
 
 AREAS: dict[str, str] = {
     "test_serving": "serving", "test_openai_surface": "serving",
@@ -64,29 +62,8 @@ class AreaSummary:
         elif report.when == "teardown" and report.failed:
             self.counts[a]["error"] += 1
 
-    def _merge(self, tr) -> None:
-        """The unit run of scripts/test.sh, which ran beside this one: wait for its end."""
-        path, pid = os.environ.get("RAYATTN_AREAS_MERGE"), os.environ.get(
-            "RAYATTN_AREAS_MERGE_PID")
-        if not path:
-            return
-        while pid and not Path(path).exists() and _alive(int(pid)):
-            time.sleep(0.2)
-        if not Path(path).exists():
-            tr.write_line(f"(the run beside this one left no summary in {path})", red=True)
-            return
-        for a, got in json.loads(Path(path).read_text()).items():
-            for outcome, n in got["counts"].items():
-                self.counts[a][outcome] += n
-            self.seconds[a] += got["seconds"]
-
-    def pytest_terminal_summary(self, terminalreporter) -> None:
+    def pytest_terminal_summary(self, terminalreporter: TerminalReporter) -> None:
         tr = terminalreporter
-        out = os.environ.get("RAYATTN_AREAS_OUT")
-        if out:
-            Path(out).write_text(json.dumps({a: {"counts": dict(c), "seconds": self.seconds[a]}
-                                             for a, c in self.counts.items()}))
-        self._merge(tr)
         tr.section("summary by area")
         for a in ORDER + sorted(set(self.counts) - set(ORDER)):
             if a not in self.counts:
@@ -95,15 +72,6 @@ class AreaSummary:
             tr.write_line(f"{a:<12} {c['passed']:>4} passed {c['failed']:>3} failed "
                           f"{c['error']:>3} errors {c['skipped']:>3} skipped "
                           f"{self.seconds[a] / 60:6.1f} min")
-
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 def configure(config: pytest.Config) -> None:

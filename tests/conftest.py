@@ -16,6 +16,7 @@ import yaml
 from rayattn import cluster_env
 from rayattn.bench.cli import wait_healthy
 from rayattn.ports import pick_port
+from rayattn.server import front_door
 from tests import areas
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,9 +61,9 @@ os.environ.setdefault("RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S", "10")
 # session's cluster starts on them again. HAProxy's stats and metrics and Serve's fallback
 # proxy have fixed ports by default: free ones let the suite run beside a `make serve`.
 PORTS = {"http": pick_port(), "metrics": pick_port()}
-for _k in ("RAY_SERVE_HAPROXY_STATS_PORT", "RAY_SERVE_HAPROXY_METRICS_PORT",
-           "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT"):
-    os.environ.setdefault(_k, str(pick_port()))
+for _var in front_door.HAPROXY_PORTS:
+    if _var not in os.environ:
+        os.environ[_var] = str(pick_port())
 
 
 def still_running(pids: list[int], until: float) -> list[int]:

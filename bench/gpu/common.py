@@ -1,4 +1,4 @@
-"""Helpers shared by the GPU scripts of bench/gpu: ports, HTTP waits, nvidia-smi, starting
+"""Helpers shared by the GPU scripts of bench/gpu: HTTP waits, nvidia-smi, starting
 rayattn in-process (ray.init + serve.run(build_app(args))), Ray's Prometheus scrape."""
 
 from __future__ import annotations

@@ -327,12 +327,17 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
         # with NOSET there, every DP rank of a node would run on device 0.
         env.update(backends.RAY_EXECUTOR_ENV[plat])
-    if plat == "cpu" and cfg.parallelism.dp_ranks == 1 and cfg.parallelism.devices_per_rank == 1:
+    omp_own = any(k.startswith(("OMP_", "VLLM_CPU_OMP")) for k in cfg.engine.env)
+    if (plat == "cpu" and cfg.parallelism.dp_ranks == 1
+            and cfg.parallelism.devices_per_rank == 1 and not omp_own):
         # One CPU worker: vLLM runs it inside the engine core process instead of spawning a
         # worker process of its own (vllm/platforms/cpu.py switches its `uni` executor to
         # `mp` unless told), which saved an interpreter and vLLM's imports at every start
         # and the two processes' shared-memory polling at every step. AsyncLLM's engine
-        # core stays a process of its own either way.
+        # core stays a process of its own either way. vLLM forces `mp` because its OpenMP
+        # set-up (thread binding) needs a process of its own: right where rayattn's one
+        # unbound thread (PLATFORM_ENV) is not what the engine runs, so not where
+        # engine.env sets OpenMP itself.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if plat == "rocm" and spec.name != "ROCM_AITER_FA":
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)

@@ -101,9 +101,10 @@ def report(session_header: str) -> dict[str, str | None]:
     return {"mode": "haproxy", "balance": balance, "note": note}
 
 
-HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101}
-"""HAProxy's own listeners (all interfaces) besides Serve's HTTP port: variable, Ray's
-default."""
+HAPROXY_PORTS = {"RAY_SERVE_HAPROXY_STATS_PORT": 8404, "RAY_SERVE_HAPROXY_METRICS_PORT": 9101,
+                 "RAY_SERVE_FALLBACK_PROXY_HTTP_PORT": 8500}
+"""What the front door binds besides Serve's HTTP port with HAProxy on (HAProxy's stats and
+metrics on all interfaces, Serve's fallback proxy behind it): variable, Ray's default."""
 
 
 def ports_held(serve_config: dict, environ: Mapping[str, str] = os.environ) -> list[str]:

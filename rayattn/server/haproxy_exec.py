@@ -7,11 +7,12 @@ workers at once; a SIGTERM to `serve run` drains and then kills; a reload in fli
 Serve shuts down leaves an untracked process), HAProxy moves under PID 1 and keeps the HTTP,
 stats and metrics ports, answering 500 to everyone until it is found and ended by hand.
 
-Ray takes the binary from `RAY_SERVE_HAPROXY_BINARY_PATH`; front_door.apply and the
-Makefile point it here. This asks the kernel to SIGKILL the process when its parent (the
-actor's thread that started it) is gone, then replaces itself with the real HAProxy: same
-PID, same arguments, so Serve's readiness check (`show info` PID), `-sf` and its own
-ownership check by argument see exactly what they started.
+Ray takes the binary from `RAY_SERVE_HAPROXY_BINARY_PATH`; front_door.apply (`rayattn
+serve`, `make serve`, the tests, the benchmarks) points it here. This asks the kernel to
+SIGKILL the process when its parent (the actor's thread that started it) is gone, then
+replaces itself with the real HAProxy: same PID, same arguments, so Serve's readiness
+check (`show info` PID), `-sf` and its own ownership check by argument see exactly what they
+started.
 """
 
 from __future__ import annotations
@@ -60,7 +61,9 @@ def die_with_parent() -> bool:
 def main() -> None:
     parent = os.getppid()
     die_with_parent()
-    if os.getppid() != parent:  # the parent died before the request took effect
+    # The parent died before the request took effect (or before this started: then the
+    # parent is already PID 1 or a subreaper, never Ray's actor).
+    if os.getppid() != parent or parent == 1:
         sys.exit(1)
     binary = real_binary()
     os.execv(binary, [binary, *sys.argv[1:]])

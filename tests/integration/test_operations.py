@@ -154,7 +154,7 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     elastic = copy.deepcopy(cfg)
     _engine_entry(elastic)["autoscaling_config"].update(
         min_replicas=1, max_replicas=2, target_ongoing_requests=3, upscale_delay_s=2,
-        downscale_delay_s=3, look_back_period_s=4, metrics_interval_s=1)
+        downscale_delay_s=8, look_back_period_s=4, metrics_interval_s=1)
     before = _health(server)
     try:
         deploy_config(elastic)
@@ -177,7 +177,7 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             # cache (its KV events).
             blocks = _wait("both replicas serving, the new one's cache seen", lambda: (
                 load.served_by(up) >= 8 and load.served_by(one[0]) >= 8
-                and _health(server)["engines"][up]["cache_view"]["blocks"]), 120)
+                and _health(server)["engines"][up]["cache_view"]["blocks"]), 30)
         with Load(server, streams=1) as drain:
             _wait("scale-down back to one replica",
                   lambda: _health(server)["replicas"] == 1, 180)
@@ -238,7 +238,7 @@ def test_rolling_engine_update_under_load_fails_nothing(ray_cluster, server):
         took = time.time() - t0
         # The new replicas take requests (each at least one, asserted below).
         _wait("requests on both new replicas", lambda: all(
-            load.served_by(n, since=t0) > 0 for n in _health(server)["replicas_up"]), 60)
+            load.served_by(n, since=t0) > 0 for n in _health(server)["replicas_up"]), 15)
     after = _health(server)
     left = still_running([p for pids in old.values() for p in pids], until=time.time() + 30)
     new = set(after["replicas_up"])

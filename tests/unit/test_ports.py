@@ -68,13 +68,32 @@ def test_picked_ports_are_outside_the_ephemeral_range_distinct_and_free():
             ports.release(p)
 
 
-def test_a_window_of_ports_is_free_as_a_whole():
+def test_picked_ports_avoid_serves_router_ranges(monkeypatch):
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MIN_HTTP_PORT", "20000")
+    monkeypatch.setenv("RAY_SERVE_DIRECT_INGRESS_MAX_HTTP_PORT", "29999")
+    pool = ports.candidates()
+    assert pool and not any(20000 <= p <= 29999 or 40000 <= p <= 41000 for p in pool)
+
+
+def test_a_window_of_ports_is_free_and_held_as_a_whole():
     p = ports.pick_port(span=32)
     try:
         lo, hi = ports.ephemeral_range()
         assert all(ports.bindable(p + i) and not lo <= p + i <= hi for i in range(32))
+        # No other pick lands inside the window while it is held.
+        others = [ports.pick_port() for _ in range(50)]
+        assert not any(p <= o < p + 32 for o in others)
+        for o in others:
+            ports.release(o)
     finally:
-        ports.release(p)
+        ports.release(p, 32)
+
+
+def test_a_machine_with_no_port_outside_the_ephemeral_range_gets_a_kernel_port(monkeypatch,
+                                                                               caplog):
+    monkeypatch.setattr(ports, "candidates", lambda: [])
+    port = ports.pick_port()
+    assert 0 < port < 65536 and "ephemeral range" in caplog.text
 
 
 def test_another_process_cannot_pick_a_port_this_one_holds():
