@@ -88,6 +88,9 @@ class EngineStatus:
     """The LoRA adapters its engine answers to."""
     engine_rank: int | None = None
     """The DP rank inside the engine this target is (None: the replica as a whole)."""
+    autoscaled: bool | None = None
+    """Whether its replica last said Serve autoscales the deployment, so calls to it keep to
+    Serve's channel (None: no answer yet)."""
 
 
 @dataclass
@@ -347,7 +350,8 @@ class Dispatcher:
             info.backend if info else None, info.block_size if info else None,
             info.engine_pids if info else [],
             _devices(info, len(names), i) if info else [], cache_view,
-            sorted(info.adapters) if info else [], rank)
+            sorted(info.adapters) if info else [], rank,
+            info.autoscaled if info else None)
 
     def stream_interval_s(self) -> float:
         """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when

@@ -162,6 +162,11 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             one = _wait("scale-down to one replica while idle",
                         lambda: (h := _health(server))["replicas"] == 1 and
                         len(h["replicas_up"]) == 1 and h["replicas_up"], 120)
+            # The router has heard from the engine that Serve now autoscales it (its
+            # replica asks Serve's controller, at most every few seconds, more slowly on a
+            # busy machine): from here on no call may bypass Serve's channel.
+            _wait("the router told the engines autoscale", lambda: all(
+                e["autoscaled"] for e in _health(server)["engines"].values()), 60)
         with Load(server, streams=8) as load:
             t_load = time.time()
             # Over Serve's channel (the direct transport is for fixed engine counts: Serve's
@@ -218,7 +223,12 @@ def test_rolling_engine_update_under_load_fails_nothing(ray_cluster, server):
     same kind, for nothing)."""
     from rayattn.app import deploy_config
 
-    before = _health(server)
+    # Both engines up (the autoscaling test before this one ends by restoring the second).
+    def whole() -> dict | None:
+        h = _health(server)
+        return h if len(h["replicas_up"]) == 2 and len(h["engines"]) == 2 else None
+
+    before = _wait("both engine replicas up", whole, 300)
     old = {n: e["engine_pids"] for n, e in before["engines"].items()}
     assert len(old) == 2 and all(old.values())
     changed = local_config()
