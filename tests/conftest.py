@@ -18,6 +18,7 @@ from rayattn.bench.cli import wait_healthy
 from rayattn.ports import pick_port
 from rayattn.server import front_door
 from tests import areas
+from tests.own_apps import Collector, own_apps_config
 
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
@@ -146,19 +147,33 @@ def prometheus(ray_cluster, tmp_path_factory):
     proc.wait(10)
 
 
-def deploy_own_app(cfg: dict, ray_cluster: dict, what: str) -> str:
-    """Deploy a Serve config of a test's own (replacing the shared app) and wait until
-    every engine serves; the HTTP URL."""
+@pytest.fixture(scope="session")
+def otlp():
+    """A local OTLP/HTTP traces receiver for the multi-model app's traces."""
+    c = Collector()
+    yield c
+    c.server.shutdown()
+
+
+@pytest.fixture(scope="session")
+def own_apps(ray_cluster, otlp) -> dict[str, str]:
+    """The applications of their own (tests/own_apps.py), deployed side by side in place of
+    the shared one once every engine of both serves; their URLs by application name."""
     from rayattn.app import deploy_config, wait_running
 
     t0 = time.time()
-    areas.progress(f"deploying {what}")
+    cfg = own_apps_config(
+        (ROOT / "deployments" / "local-multi.yaml").read_text(), local_config(), otlp.url)
+    names = [a["name"] for a in cfg["applications"]]
+    areas.progress(f"deploying {' and '.join(names)} side by side")
     deploy_config(cfg)
-    wait_running(cfg["applications"][0]["name"])
-    url = f"http://127.0.0.1:{ray_cluster['http_port']}"
-    wait_healthy(url)
-    areas.progress(f"{what} ready in {time.time() - t0:.1f}s")
-    return url
+    base = f"http://127.0.0.1:{ray_cluster['http_port']}"
+    urls = {a["name"]: base + a["route_prefix"].rstrip("/") for a in cfg["applications"]}
+    for name, url in urls.items():
+        wait_running(name)
+        wait_healthy(url)
+    areas.progress(f"{' and '.join(names)} ready in {time.time() - t0:.1f}s")
+    return urls
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,8 @@ own data parallelism, each rank its own scheduler and KV cache), on real CPU eng
 router routes to each rank as a target of its own, vLLM runs each request on the rank the
 router chose, and the router's view of each rank's cache is that rank's own events.
 
-Runs on an application of its own (one engine replica, two ranks) in place of the shared
-one."""
+Runs on an application of its own (one engine replica, two ranks; tests/own_apps.py) in
+place of the shared one."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ import pytest
 from rayattn.config.loader import app_args, parse_args
 from rayattn.config.plan import build_plan
 from rayattn.routing.targets import split
-from tests.conftest import deploy_own_app, local_config
+from tests.conftest import local_config
+from tests.own_apps import DP_APP
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MODEL = "smollm2"
@@ -26,14 +27,8 @@ DOC = "Notes on block {n}. " + " ".join(f"Rank {{n}} keeps block {i} warm." for 
 
 
 @pytest.fixture(scope="module")
-def dp_app(ray_cluster):
-    cfg = local_config()
-    app = cfg["applications"][0]
-    app["args"]["parallelism"] = {"engine_dp_size": 2}
-    for d in app["deployments"]:
-        if d["name"] == "engine":
-            d["autoscaling_config"].update(min_replicas=1, max_replicas=1)
-    return deploy_own_app(cfg, ray_cluster, "one engine replica with two DP ranks")
+def dp_app(own_apps):
+    return own_apps[DP_APP]
 
 
 def reset(url: str, policy: str, **settings) -> None:

@@ -83,10 +83,15 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
     for k in (*front_door.PRIVATE_PATHS, "RAY_SERVE_HAPROXY_BINARY_PATH", "RAY_ADDRESS"):
         env.pop(k, None)
     areas.progress(f"lifecycle: rayattn serve {config.name} on port {PORTS['http']}")
-    with log.open("w") as out:
-        proc = subprocess.Popen([RAYATTN, "serve", str(config)], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{PORTS['http']}"
+    assert ports.holder(PORTS["http"]) is None, "the port is held before the start"
+    with log.open("w") as out:
+        # A terminal's Ctrl-C reaches a process whose SIGINT is the default; a shell's
+        # background job (a CI runner's, `make test &`) inherits it ignored, and Python then
+        # never raises KeyboardInterrupt.
+        proc = subprocess.Popen([RAYATTN, "serve", str(config)], cwd=ROOT, env=env,
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=_terminal_signals)
     deadline = time.time() + 300
     while True:
         assert proc.poll() is None, f"rayattn serve exited {proc.returncode}: " \
@@ -105,6 +110,10 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
     return proc, t0
 
 
+def _terminal_signals() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _cmdline(pid: int) -> str:
     try:
         return f"{pid}: {' '.join(psutil.Process(pid).cmdline())[:160]}"
@@ -114,7 +123,15 @@ def _cmdline(pid: int) -> str:
 
 def _assert_nothing_left(proc: subprocess.Popen, t0: float, log: Path, how: str) -> None:
     t_stop = time.time()
-    proc.wait(timeout=120)
+    try:
+        proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        # Not left running for the next start to find.
+        os.killpg(proc.pid, signal.SIGKILL)
+        subprocess.run([RAY, "stop", "--force", "--grace-period", "1"], capture_output=True,
+                       timeout=120)
+        pytest.fail(f"`rayattn serve` still running 120 s after {how}:\n"
+                    + log.read_text()[-2000:])
     t_exit = time.time()
     left = still_running(_ours(t0), until=time.time() + 60)
     areas.progress(f"lifecycle: after {how}, `rayattn serve` exited in {t_exit - t_stop:.0f}s, "

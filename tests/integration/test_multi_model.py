@@ -3,20 +3,18 @@ base models with engine deployments of their own, and LoRA adapters on one of th
 its own `model`, cached apart from the base and the other adapter, kept on the engines that
 run it, listed by /v1/models and labelled in the per-path metrics.
 
-Runs last, on an application of its own: deploying it replaces the shared one (Serve's
-declarative deploy), whose CPUs its two engines take."""
+Runs last, on an application of its own (tests/own_apps.py) beside the DP-ranks one: deploying
+them replaces the shared one (Serve's declarative deploy), whose CPUs their engines take."""
 
 from __future__ import annotations
 
 import re
-import threading
 import time
 
 import httpx
 import pytest
-import yaml
 
-from tests.conftest import ROOT, deploy_own_app
+from tests.own_apps import MULTI_APP
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 BASE, PIRATE, POET, TINY = "smollm2", "smollm2-pirate", "smollm2-poet", "tiny-llama"
@@ -25,55 +23,9 @@ DOC = ("Routing notes. " + " ".join(f"Replica {i} keeps block {i * 7} of the cac
                                      for i in range(40)))
 
 
-class Collector:
-    """A local OTLP/HTTP traces receiver: the spans every export carried."""
-
-    def __init__(self) -> None:
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-
-        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
-
-        self.spans: list = []
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["content-length"]))
-                req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
-                for rs in req.resource_spans:
-                    for ss in rs.scope_spans:
-                        outer.spans.extend(ss.spans)
-                out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(out)))
-                self.end_headers()
-                self.wfile.write(out)
-
-            def log_message(self, *args) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def trace(self, trace_id: str) -> dict:
-        return {s.name: s for s in self.spans if s.trace_id.hex() == trace_id}
-
-
 @pytest.fixture(scope="module")
-def otlp():
-    c = Collector()
-    yield c
-    c.server.shutdown()
-
-
-@pytest.fixture(scope="module")
-def multi(ray_cluster, otlp):
-    cfg = yaml.safe_load((ROOT / "deployments" / "local-multi.yaml").read_text())
-    # Traces to the test's own receiver (tracing is off in the shipped file).
-    cfg["applications"][0]["args"]["tracing"] = {"otlp_endpoint": otlp.url}
-    return deploy_own_app(cfg, ray_cluster, "local-multi deployment")
+def multi(own_apps):
+    return own_apps[MULTI_APP]
 
 
 def chat(url: str, model: str, content: str, max_tokens: int = 12,

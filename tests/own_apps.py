@@ -1,0 +1,68 @@
+"""The applications of their own that the last integration tests run on, deployed side by side
+in place of the shared one (one wait for both, their engines starting together):
+deployments/local-multi.yaml's, and local.yaml's app as one engine replica running two DP
+ranks, on a route prefix of its own."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import yaml
+
+MULTI_APP = "rayattn-multi"  # deployments/local-multi.yaml's
+DP_APP = "rayattn-dp"
+
+
+class Collector:
+    """A local OTLP/HTTP traces receiver: the spans every export carried."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from opentelemetry.proto.collector.trace.v1 import trace_service_pb2
+
+        self.spans: list = []
+        outer = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:
+                body = self.rfile.read(int(self.headers["content-length"]))
+                req = trace_service_pb2.ExportTraceServiceRequest.FromString(body)
+                for rs in req.resource_spans:
+                    for ss in rs.scope_spans:
+                        outer.spans.extend(ss.spans)
+                out = trace_service_pb2.ExportTraceServiceResponse().SerializeToString()
+                self.send_response(200)
+                self.send_header("content-type", "application/x-protobuf")
+                self.send_header("content-length", str(len(out)))
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args) -> None:
+                pass
+
+        # Port 0: the server keeps the port the kernel gave it (no choose-then-bind race).
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1/traces"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def trace(self, trace_id: str) -> dict:
+        return {s.name: s for s in self.spans if s.trace_id.hex() == trace_id}
+
+
+def own_apps_config(multi_file: str, local: dict[str, Any], otlp_url: str) -> dict[str, Any]:
+    """One Serve config of both applications. The multi-model app's traces go to the test's
+    own receiver (tracing is off in the shipped file). The DP-ranks app is local.yaml's with
+    `parallelism.engine_dp_size: 2` and one engine replica: its one replica reserves
+    `cpus_per_engine` like any other, so both apps fit the CPUs the shared app held."""
+    multi = yaml.safe_load(multi_file)
+    assert multi["applications"][0]["name"] == MULTI_APP
+    multi["applications"][0]["args"]["tracing"] = {"otlp_endpoint": otlp_url}
+    dp = local["applications"][0]
+    dp.update(name=DP_APP, route_prefix="/dp")
+    dp["args"]["parallelism"] = {"engine_dp_size": 2}
+    for d in dp["deployments"]:
+        if d["name"] == "engine":
+            d["autoscaling_config"].update(min_replicas=1, max_replicas=1)
+    return {**multi, "applications": [*multi["applications"], dp]}
