@@ -37,7 +37,7 @@ from rayattn.config.loader import app_args, load_serve_config, parse_args  # noq
 from rayattn.config.plan import build_plan  # noqa: E402
 from rayattn.config.schema import RayAttnConfig  # noqa: E402
 from rayattn.routing.core import RoutingCore  # noqa: E402
-from rayattn.server.rendering import PromptRenderer  # noqa: E402
+from rayattn.server.prompts.rendering import PromptRenderer  # noqa: E402
 
 STAGES = ("parse", "validate", "render", "hash", "total")
 BARRIER_TIMEOUT_S = 300.0

@@ -499,7 +499,7 @@ def serve_rendered_prompts(state: Any, given: Any) -> bool:
         async def render_chat(request: Any, *a: Any, _orig: Any = chat, **kw: Any) -> Any:
             inputs = given.get()
             # The conversation is only read to echo the last message; echo is never rendered
-            # by the router (server/rendering.py).
+            # by the router (server/prompts/rendering.py).
             return ([], inputs) if inputs is not None else await _orig(request, *a, **kw)
 
         async def render_completion(request: Any, *a: Any, _orig: Any = completion,

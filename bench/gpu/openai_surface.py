@@ -42,7 +42,7 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
     from rayattn.models.tiny import _CHAT_TEMPLATE, make_tiny_model
-    from rayattn.server.rendering import PromptRenderer
+    from rayattn.server.prompts.rendering import PromptRenderer
 
     d = Path(a.dir)
     path = make_tiny_model("llama", d / "model")

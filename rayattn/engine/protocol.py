@@ -24,7 +24,7 @@ class OpenAIRequest:
     router knows its own share exactly and takes only the others' from the report."""
     engine_inputs: list[dict[str, Any]] | None = None
     """vLLM's engine inputs (token ids) as the router's renderer made them from `body`: the
-    engine serves them instead of rendering the body again (server/rendering.py says when
+    engine serves them instead of rendering the body again (server/prompts/rendering.py says when
     the router sends them)."""
     trace: dict[str, str] | None = None
     """W3C trace context of the router's span for this request (tracing on): the engine's
@@ -72,7 +72,7 @@ class Reply:
 class Misrouted(RuntimeError):
     """Raised by an engine replica for a call aimed at another replica (it left, or was
     replaced, between the router's choice and the call's delivery): the router routes the
-    request again (server/pinning.py)."""
+    request again (server/forwarding/pinning.py)."""
 
 
 class EngineDown(RuntimeError):

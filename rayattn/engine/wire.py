@@ -28,7 +28,7 @@ AUTH_HEADER = "authorization"
 
 RaisedKind = Literal["request", "never_ran", "engine_crashed"]
 """What an exception the engine raised says, as the router's retry loop reads it (these are
-three of server/replica_set.py's `Failure`s; a replica that died is told by the connection,
+three of server/fleet/replica_set.py's `Failure`s; a replica that died is told by the connection,
 not a frame)."""
 
 

@@ -3,7 +3,7 @@
 What to route where is the routing core's (rayattn/routing/core.py): this module feeds it
 the transport's facts — which replicas Serve runs and which answer (`ReplicaSet`), their KV
 events (`KVFeeds`), what each call did — and makes the calls, pinned to the replica the core
-chose (server/pinning.py). See docs/routing.md.
+chose (server/forwarding/pinning.py). See docs/routing.md.
 
 Failure semantics: an error the engine raises about the request itself (vLLM's
 validation: ValueError / TypeError) is the client's: one 400 with vLLM's message, never
@@ -37,13 +37,13 @@ from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.quarantine import Quarantine, fingerprint
 from rayattn.routing.targets import replica_of, split, targets
 from rayattn.server.background import detached
-from rayattn.server.direct_client import DirectClient
-from rayattn.server.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
-from rayattn.server.kv_feeds import KVFeeds
+from rayattn.server.fleet.kv_feeds import KVFeeds
+from rayattn.server.fleet.replica_set import Replica, ReplicaSet, failure
+from rayattn.server.forwarding.direct_client import DirectClient
+from rayattn.server.forwarding.pinning import PinnedHandle
+from rayattn.server.http.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
 from rayattn.server.loop_watch import LoopWatch
-from rayattn.server.pinning import PinnedHandle
-from rayattn.server.replica_set import Replica, ReplicaSet, failure
-from rayattn.server.tenant_limits import Admission, FairQueue, RateLimits, Slot
+from rayattn.server.tenancy.admission import Admission, FairQueue, RateLimits, Slot
 
 log = logging.getLogger("rayattn.router")
 

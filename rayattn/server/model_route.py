@@ -14,8 +14,8 @@ from rayattn.config.plan import build_plan
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import Reply
 from rayattn.server.dispatch import Dispatcher, Gates
-from rayattn.server.errors import PROMPT_FIELD, APIError, client_error, error_response
-from rayattn.server.rendering import PromptRenderer, Rendered
+from rayattn.server.http.errors import PROMPT_FIELD, APIError, client_error, error_response
+from rayattn.server.prompts.rendering import PromptRenderer, Rendered
 
 log = logging.getLogger("rayattn.ingress")
 

@@ -185,7 +185,7 @@ def test_router_renders_exactly_the_engines_prompt(chat_app, chat_client, kwargs
     token ids the engine's serving layer rendered, with tools and chat_template_kwargs."""
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
-    from rayattn.server.rendering import PromptRenderer
+    from rayattn.server.prompts.rendering import PromptRenderer
 
     url, args = chat_app
     body = {"model": "tiny-chat", "messages": [{"role": "user", "content": "weather?"}],

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from rayattn.config.schema import RouterConfig
-from rayattn.server.errors import APIError
-from rayattn.server.tenancy import Keys
+from rayattn.server.http.errors import APIError
+from rayattn.server.tenancy.keys import Keys
 
 
 def _keys(monkeypatch, **env: str) -> Keys:
@@ -52,7 +52,7 @@ def test_named_but_empty_variable_fails_closed(monkeypatch):
 
 
 def test_cache_namespaces_per_key_hide_the_key_and_keep_a_clients_salt():
-    from rayattn.server.tenancy import cache_salt
+    from rayattn.server.tenancy.keys import cache_salt
 
     a, b = (cache_salt("auto", k, None, keys_configured=True) for k in ("key-a", "key-b"))
     assert a != b and "key-a" not in a

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from rayattn.server import incremental_tokenizer
+from rayattn.server.prompts import incremental_tokenizer
 
 
 def _smollm2():

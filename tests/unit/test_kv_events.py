@@ -14,7 +14,7 @@ from rayattn.config.schema import RouterConfig
 from rayattn.engine.kv_mirror import CLEARED_TOPIC, KVMirror, private_ipc_endpoints
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.prefix_index import EventIndex
-from rayattn.server.kv_feeds import KVFeeds
+from rayattn.server.fleet.kv_feeds import KVFeeds
 
 
 def _stored(keys: list[int]):

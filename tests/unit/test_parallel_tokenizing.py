@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rayattn.bench.workloads import doc_chat
-from rayattn.server import incremental_tokenizer, parallel_tokenizing
+from rayattn.server.prompts import incremental_tokenizer, parallel_tokenizing
 
 from .test_incremental_tokenizer import AWKWARD, _smollm2, _tiny
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from rayattn.server.pinning import Membership, PinnedRequestRouter
+from rayattn.server.forwarding.pinning import Membership, PinnedRequestRouter
 
 
 def _replica(name: str) -> SimpleNamespace:
@@ -48,7 +48,7 @@ def test_membership_reaches_late_and_early_listeners_on_their_loop():
 
 def test_a_refused_call_counts_as_a_gone_replica_bare_or_wrapped_by_ray():
     from rayattn.engine.protocol import Misrouted
-    from rayattn.server.replica_set import engine_dead
+    from rayattn.server.fleet.replica_set import engine_dead
 
     assert engine_dead(Misrouted("x"))
     assert engine_dead(SimpleNamespace(cause=Misrouted("x")))  # RayTaskError's `cause`

@@ -1,5 +1,5 @@
 """The query-of-death quarantine (routing/quarantine.py) and how the dispatcher classes an
-engine replica's failure (server/replica_set.py)."""
+engine replica's failure (server/fleet/replica_set.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from ray import exceptions as ray_exc
 from rayattn.engine.protocol import EngineDown, Misrouted
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.quarantine import CAPACITY, Quarantine, fingerprint
-from rayattn.server.replica_set import failure
+from rayattn.server.fleet.replica_set import failure
 
 BS = 16
 

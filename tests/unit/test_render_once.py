@@ -8,7 +8,7 @@ import contextvars
 from types import SimpleNamespace
 
 from rayattn.config.schema import RouterConfig
-from rayattn.server.rendering import _reusable
+from rayattn.server.prompts.rendering import _reusable
 
 
 def test_a_plain_token_prompt_is_reused_without_the_routers_clock():
@@ -74,7 +74,7 @@ def test_serving_objects_without_the_renderer_hook_render_everything():
 
 def test_stream_chunks_coarsen_with_the_streams_in_flight():
     from rayattn.server.dispatch import Dispatcher
-    from rayattn.server.tenant_limits import Admission
+    from rayattn.server.tenancy.admission import Admission
 
     rc = RouterConfig(stream_interval_ms=20, stream_messages_per_s=1000)
     d = SimpleNamespace(cfg=SimpleNamespace(router=rc), admission=Admission(1000))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from rayattn.server.ingress import _with_ext
+from rayattn.server.http.ingress import _with_ext
 
 
 def _events(sse: str) -> list[str]:
@@ -32,7 +32,7 @@ def test_an_error_event_is_left_as_vllm_wrote_it():
 def test_a_whole_body_validation_error_reads_as_vllm_wrote_it():
     from pydantic import BaseModel, ValidationError, model_validator
 
-    from rayattn.server.errors import from_validation
+    from rayattn.server.http.errors import from_validation
 
     class Body(BaseModel):  # like vLLM 0.25's request models: checks in a model validator
         tool_choice: str | None = None

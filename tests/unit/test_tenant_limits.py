@@ -1,4 +1,4 @@
-"""Per-key admission, rates and turns for engine slots (server/tenant_limits.py), without
+"""Per-key admission, rates and turns for engine slots (server/tenancy/admission.py), without
 Ray: one key's flood must not starve another's requests."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from rayattn.server.errors import APIError
-from rayattn.server.tenant_limits import Admission, FairQueue, RateLimits
+from rayattn.server.http.errors import APIError
+from rayattn.server.tenancy.admission import Admission, FairQueue, RateLimits
 
 
 def test_a_key_under_its_share_is_admitted_past_the_router_limit():
@@ -40,7 +40,7 @@ def test_shares_never_take_the_router_past_twice_its_limit():
 
 
 def test_admission_counts_the_engine_requests_a_request_asks_for():
-    from rayattn.server.limits import engine_requests
+    from rayattn.server.tenancy.field_limits import engine_requests
 
     assert engine_requests("chat", {"n": 4}) == 4
     assert engine_requests("completion", {"prompt": ["a", "b", "c"], "n": 2}) == 6

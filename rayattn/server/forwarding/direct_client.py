@@ -4,7 +4,7 @@ chosen replica's own endpoint (engine/direct_server.py), the answer read frame b
 it streams (engine/wire.py).
 
 Errors come out as the Serve channel's do, so the retry loop (server/dispatch.py) reads
-both alike (server/replica_set.py `failure`): the engine's own exception by its kind
+both alike (server/fleet/replica_set.py `failure`): the engine's own exception by its kind
 (`wire.EngineRaised`), a replica that cannot be reached or whose answer is cut
 (`aiohttp.ClientConnectionError`, `aiohttp.ClientPayloadError`, `wire.StreamCut`) as a
 replica gone."""

@@ -29,7 +29,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
-from rayattn.server import parallel_tokenizing
+from rayattn.server.prompts import parallel_tokenizing
 
 log = logging.getLogger("rayattn.router")
 

@@ -23,9 +23,9 @@ from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
-from rayattn.server import front_door, limits
+from rayattn.server import front_door
 from rayattn.server.dispatch import Dispatcher, Gates, Slot
-from rayattn.server.errors import (
+from rayattn.server.http.errors import (
     APIError,
     EngineFailure,
     client_error,
@@ -33,7 +33,8 @@ from rayattn.server.errors import (
     from_validation,
 )
 from rayattn.server.model_route import ModelRoute
-from rayattn.server.tenancy import Keys, cache_salt, key_id
+from rayattn.server.tenancy import field_limits
+from rayattn.server.tenancy.keys import Keys, cache_salt, key_id
 
 log = logging.getLogger("rayattn.ingress")
 REQUEST_ID_HEADER = "x-request-id"
@@ -143,7 +144,7 @@ class Ingress:
             raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
         if not isinstance(data, dict):
             raise APIError(400, "request body must be a JSON object")
-        limits.check(kind, data, self.cfg.router.limits)
+        field_limits.check(kind, data, self.cfg.router.limits)
         salt = cache_salt(self.cfg.router.cache_isolation, key, data.get("cache_salt"),
                           self.keys.api is not None)
         if salt is not None:
@@ -194,13 +195,13 @@ class Ingress:
             return e.response()
         try:
             key = self._authorize(request)
-            limits.check_session(self.cfg.router.session_header,
+            field_limits.check_session(self.cfg.router.session_header,
                                  request.headers.get(self.cfg.router.session_header),
                                  self.cfg.router.limits)
             await self._start()
             data, body, route = await self._body(request, kind, key)
             tenant = key_id(key)
-            slot = route.dispatcher.admit(tenant, limits.engine_requests(kind, data))
+            slot = route.dispatcher.admit(tenant, field_limits.engine_requests(kind, data))
         except APIError as e:
             return e.response()
         # From here the slot is ours until the response ends; whichever path ends the

@@ -17,8 +17,8 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.plan import frontend_kwargs
 from rayattn.config.schema import RayAttnConfig
-from rayattn.server import incremental_tokenizer
-from rayattn.server.parallel_tokenizing import process_cores
+from rayattn.server.prompts import incremental_tokenizer
+from rayattn.server.prompts.parallel_tokenizing import process_cores
 
 
 class Rendered:

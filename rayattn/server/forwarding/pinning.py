@@ -57,7 +57,7 @@ class PinnedRequestRouter(RequestRouter):
         # Serve ships this class to the handle's process by value (cloudpickle), with its
         # own copies of this module's globals: publish through the imported module, where
         # the listeners are.
-        from rayattn.server import pinning
+        from rayattn.server.forwarding import pinning
 
         pinning.Membership.publish(self._deployment_id.app_name, self._deployment_id.name,
                            [r.replica_id.unique_id for r in replicas])

@@ -1,7 +1,7 @@
 """The HTTP surface: the FastAPI app, its error handlers and every route, in one place.
 
 The routes are methods of the `Router` Serve deployment (the ingress); what each one does
-lives in `rayattn.server.ingress.Ingress`.
+lives in `rayattn.server.http.ingress.Ingress`.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from fastapi.exceptions import RequestValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayattn.server.errors import APIError
-from rayattn.server.ingress import Ingress
+from rayattn.server.http.errors import APIError
+from rayattn.server.http.ingress import Ingress
 
 # No /docs, /redoc or /openapi.json: they would list the admin routes to anyone.
 app = FastAPI(title="rayattn", version="0.1.0", docs_url=None, redoc_url=None,
