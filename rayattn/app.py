@@ -2,7 +2,7 @@
 
 One engine deployment (`engine`: one replica per DP rank, each owning its devices through a
 placement group; a fixed count or Serve autoscaling) behind one router/ingress deployment
-that chooses the replica for every call (server/forwarding/pinning.py, docs/routing.md).
+that chooses the replica for every call (server/fleet/pinning.py, docs/routing.md).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from rayattn.config.plan import Plan, build_plan
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
-from rayattn.server.forwarding.pinning import REQUEST_ROUTER
+from rayattn.server.fleet.pinning import REQUEST_ROUTER
 from rayattn.server.http.api import Router
 
 

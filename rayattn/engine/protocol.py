@@ -72,7 +72,7 @@ class Reply:
 class Misrouted(RuntimeError):
     """Raised by an engine replica for a call aimed at another replica (it left, or was
     replaced, between the router's choice and the call's delivery): the router routes the
-    request again (server/forwarding/pinning.py)."""
+    request again (server/fleet/pinning.py)."""
 
 
 class EngineDown(RuntimeError):

@@ -2,7 +2,7 @@
 
 All engine replicas (rayattn's DP ranks) are one Serve deployment, autoscaled and updated by
 Serve; the router chooses the replica for each call, and every method here takes the chosen
-replica's id first (server/forwarding/pinning.py) and refuses a call meant for another. The
+replica's id first (server/fleet/pinning.py) and refuses a call meant for another. The
 replica's devices are reserved by the placement group Serve creates from the plan's bundles;
 vLLM's Ray executor (TP×PP > 1) schedules its workers into that same group.
 """

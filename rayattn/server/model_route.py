@@ -13,9 +13,10 @@ from rayattn import compat
 from rayattn.config.plan import build_plan
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine.protocol import Reply
-from rayattn.server.dispatch import Dispatcher, Gates
-from rayattn.server.http.errors import PROMPT_FIELD, APIError, client_error, error_response
+from rayattn.server.dispatch import Dispatcher
+from rayattn.server.errors import PROMPT_FIELD, APIError, client_error, error_response
 from rayattn.server.prompts.rendering import PromptRenderer, Rendered
+from rayattn.server.tenancy.gates import Gates
 
 log = logging.getLogger("rayattn.ingress")
 
@@ -36,7 +37,7 @@ class ModelRoute:
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a request's `model` names (None: the base model): configured,
         or loaded at run time on some of this model's engines."""
-        return model if model in self.dispatcher.core.adapter_paths else None
+        return model if self.dispatcher.adapters.knows(model) else None
 
     async def load_adapter(self, name: str, path: str) -> Reply:
         """vLLM's run-time load on every live engine of this model; where one refuses, the
@@ -49,31 +50,25 @@ class ModelRoute:
                                          for r in members))
         failed = next((rep for rep in replies if rep.status != 200), None)
         if failed is not None:
-            fresh = name not in d.core.adapter_paths
+            fresh = not d.adapters.knows(name)
             await asyncio.gather(*(r.handle.unload_adapter.remote(name)
                                    for r, rep in zip(members, replies, strict=True)
                                    if rep.status == 200 and fresh))
             return failed
-        d.runtime_adapters[name] = d.core.adapter_paths[name] = path
-        for r in members:  # routable at once, not from the next probe on
-            if r.info is not None:
-                r.info.adapters[name] = path
+        d.adapters.loaded(name, path, members)
         self._models = None
         return replies[0]
 
     async def unload_adapter(self, name: str) -> Reply:
         d = self.dispatcher
-        members = [d.fleet.members[n] for n in d.serving(name)]
-        d.runtime_adapters.pop(name, None)
+        members = [d.fleet.members[n] for n in d.fleet.serving(name)]
+        d.adapters.runtime.pop(name, None)  # nor loaded on replicas that start later
         if not members:
             raise APIError(404, f"The LoRA adapter `{name}` is not loaded.",
                            param="lora_name")
         replies = await asyncio.gather(*(r.handle.unload_adapter.remote(name)
                                          for r in members))
-        for r in members:
-            if r.info is not None:
-                r.info.adapters.pop(name, None)
-        d.core.adapter_paths.pop(name, None)
+        d.adapters.unloaded(name, members)
         self._models = None
         return next((rep for rep in replies if rep.status != 200), replies[0])
 

@@ -175,7 +175,7 @@ def test_kv_events_cannot_be_read_from_another_network_namespace(server, tmp_pat
     from ray import serve
 
     from rayattn.engine.kv_mirror import CurveKeys
-    from rayattn.server.forwarding.pinning import PinnedHandle
+    from rayattn.server.fleet.pinning import PinnedHandle
 
     replica = sorted(_engines(server))[0]
     handle = PinnedHandle(serve.get_deployment_handle("engine", app_name="rayattn"), replica)

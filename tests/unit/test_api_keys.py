@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayattn.config.schema import RouterConfig
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 from rayattn.server.tenancy.keys import Keys
 
 

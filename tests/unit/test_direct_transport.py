@@ -21,9 +21,9 @@ from rayattn.engine.protocol import (
     OpenAIRequest,
     Reply,
 )
+from rayattn.server.errors import engine_raised
 from rayattn.server.fleet.replica_set import failure
 from rayattn.server.forwarding.direct_client import DirectClient
-from rayattn.server.http.errors import engine_raised
 
 
 class BadField(ValueError):

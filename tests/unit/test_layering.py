@@ -66,3 +66,33 @@ def test_routing_has_no_transport():
              if pkg == "routing" for m in _imports(p)
              if any(m == banned or m.startswith(banned + ".") for banned in NOT_IN_ROUTING)]
     assert found == []
+
+
+# The router's rooms (rayattn/server/), lowest first: the HTTP surface composes the model
+# routes, which compose forwarding over the fleet; tenancy and prompts stand alone.
+SERVER_ROOMS = [
+    {"errors", "background", "loop_watch", "front_door", "haproxy_exec"},
+    {"tenancy", "prompts"},
+    {"fleet"},
+    {"forwarding"},
+    {"dispatch", "model_route"},
+    {"http"},
+]
+ROOM = {room: n for n, rooms in enumerate(SERVER_ROOMS) for room in rooms}
+
+
+def _room(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2].removesuffix(".py") if parts[:2] == ["rayattn", "server"] \
+        and len(parts) > 2 else None
+
+
+def test_the_routers_rooms_import_downwards_only():
+    server = PACKAGE / "server"
+    rooms = {p: p.relative_to(server).parts[0].removesuffix(".py")
+             for p in server.rglob("*.py") if p.parent != server or p.name != "__init__.py"}
+    assert set(rooms.values()) <= set(ROOM), set(rooms.values()) - set(ROOM)
+    upward = [f"{p.relative_to(PACKAGE)} imports {m}" for p, room in rooms.items()
+              for m in _imports(p) if (target := _room(m)) in ROOM
+              and ROOM[target] > ROOM[room]]
+    assert upward == []

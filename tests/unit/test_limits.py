@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rayattn.config.schema import RequestLimits
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 from rayattn.server.tenancy.field_limits import check, check_session
 
 L = RequestLimits(max_n=4, max_stop=3, max_logit_bias=5, max_schema_bytes=200, max_prompts=2,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from types import SimpleNamespace
 
-from rayattn.server.forwarding.pinning import Membership, PinnedRequestRouter
+from rayattn.server.fleet.pinning import Membership, PinnedRequestRouter
 
 
 def _replica(name: str) -> SimpleNamespace:

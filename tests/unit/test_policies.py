@@ -337,7 +337,7 @@ def test_the_newest_load_report_wins_whatever_order_reports_arrive_in():
 
 
 def test_admission_is_exact():
-    from rayattn.server.http.errors import APIError
+    from rayattn.server.errors import APIError
     from rayattn.server.tenancy.admission import Admission
 
     adm = Admission(3)

@@ -77,11 +77,12 @@ def test_stream_chunks_coarsen_with_the_streams_in_flight():
     from rayattn.server.tenancy.admission import Admission
 
     rc = RouterConfig(stream_interval_ms=20, stream_messages_per_s=1000)
-    d = SimpleNamespace(cfg=SimpleNamespace(router=rc), admission=Admission(1000))
+    admission = Admission(1000)
+    d = SimpleNamespace(cfg=SimpleNamespace(router=rc), gates=SimpleNamespace(admission=admission))
     interval = Dispatcher.stream_interval_s
     assert interval(d) == 0.02
     for _ in range(128):
-        d.admission.acquire()
+        admission.acquire()
     assert abs(interval(d) - 0.128) < 1e-9  # 128 streams share 1000 messages a second
 
 

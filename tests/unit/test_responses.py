@@ -32,7 +32,7 @@ def test_an_error_event_is_left_as_vllm_wrote_it():
 def test_a_whole_body_validation_error_reads_as_vllm_wrote_it():
     from pydantic import BaseModel, ValidationError, model_validator
 
-    from rayattn.server.http.errors import from_validation
+    from rayattn.server.errors import from_validation
 
     class Body(BaseModel):  # like vLLM 0.25's request models: checks in a model validator
         tool_choice: str | None = None

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 from rayattn.server.tenancy.admission import Admission, FairQueue, RateLimits
 
 

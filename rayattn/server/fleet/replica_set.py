@@ -1,6 +1,6 @@
 """Which engine replicas exist and which are up.
 
-Which exist comes from Serve (server/forwarding/pinning.py: the engine deployment's replicas as its
+Which exist comes from Serve (server/fleet/pinning.py: the engine deployment's replicas as its
 request router hears of them, so a replica that starts under autoscaling or a rolling update
 joins, and one that is leaving drops out before it drains). Which are up comes from the
 engines themselves: a replica is out only when Ray says its actor is dead or its engine
@@ -30,7 +30,7 @@ from rayattn import compat
 from rayattn.engine import wire
 from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted
 from rayattn.server.background import detached
-from rayattn.server.forwarding.pinning import Membership, PinnedHandle
+from rayattn.server.fleet.pinning import Membership, PinnedHandle
 
 log = logging.getLogger("rayattn.router")
 

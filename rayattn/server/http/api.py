@@ -13,7 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 from rayattn.server.http.ingress import Ingress
 
 # No /docs, /redoc or /openapi.json: they would list the admin routes to anyone.

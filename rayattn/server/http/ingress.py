@@ -24,8 +24,8 @@ from rayattn.engine.protocol import OpenAIRequest, Reply
 from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
 from rayattn.server import front_door
-from rayattn.server.dispatch import Dispatcher, Gates, Slot
-from rayattn.server.http.errors import (
+from rayattn.server.dispatch import Dispatcher
+from rayattn.server.errors import (
     APIError,
     EngineFailure,
     client_error,
@@ -34,6 +34,8 @@ from rayattn.server.http.errors import (
 )
 from rayattn.server.model_route import ModelRoute
 from rayattn.server.tenancy import field_limits
+from rayattn.server.tenancy.admission import Slot
+from rayattn.server.tenancy.gates import Gates
 from rayattn.server.tenancy.keys import Keys, cache_salt, key_id
 
 log = logging.getLogger("rayattn.ingress")

@@ -20,7 +20,7 @@ import math
 import time
 from collections import Counter
 
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 
 
 class Admission:

@@ -14,7 +14,7 @@ import json
 from typing import Any
 
 from rayattn.config.schema import RequestLimits
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
                      "guided_grammar", "guided_choice", "guided_decoding_backend")

@@ -15,7 +15,7 @@ import hmac
 import os
 from typing import Any
 
-from rayattn.server.http.errors import APIError
+from rayattn.server.errors import APIError
 
 
 class Keys:

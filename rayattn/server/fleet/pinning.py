@@ -57,10 +57,10 @@ class PinnedRequestRouter(RequestRouter):
         # Serve ships this class to the handle's process by value (cloudpickle), with its
         # own copies of this module's globals: publish through the imported module, where
         # the listeners are.
-        from rayattn.server.forwarding import pinning
+        from rayattn.server.fleet import pinning
 
         pinning.Membership.publish(self._deployment_id.app_name, self._deployment_id.name,
-                           [r.replica_id.unique_id for r in replicas])
+                                   [r.replica_id.unique_id for r in replicas])
 
 
 class Membership:
