@@ -77,19 +77,17 @@ class Dispatcher:
                                          "kv_held": 0, "kv_held_s": 0.0}
         self.gates = gates or Gates.of(cfg.router)
         self.adapters = AdapterRegistry(self.core)
-        self.transport = EngineTransport(engines, self._info,
-                                         lambda: self.cfg.router.engine_transport, self.counts)
         self.fleet = FleetView(self.core, engines, self.adapters, self.metrics,
-                                on_join=self.gates.fair.wake_all, on_leave=self.transport.forget)
+                               on_join=self.gates.fair.wake_all,
+                               on_leave=lambda replica: self.transport.forget(replica))
         self.feeds = self.fleet.feeds
+        self.transport = EngineTransport(engines, self.fleet.info,
+                                         lambda: self.cfg.router.engine_transport, self.counts)
         self.candidates = Candidates(self.core, self.fleet, self.gates.fair,
                                      lambda: self.cfg.serve.max_ongoing_requests,
-                                     self._reject, self._kv_held)
+                                     self._reject, self.counts)
         self.quarantine = Quarantine(cfg.router.quarantine_after, cfg.router.quarantine_s)
         self._metrics_task: asyncio.Task | None = None
-
-    def _info(self, replica: str) -> Any:
-        return self.fleet.info(replica)
 
     def live(self) -> list[str]:
         """The engine replicas that are up (Serve's names)."""
@@ -154,10 +152,6 @@ class Dispatcher:
     def _reject(self, status: int) -> None:
         if self.metrics is not None:
             self.metrics.rejected.inc(1, {**self.metrics.base, "status": str(status)})
-
-    def _kv_held(self, seconds: float) -> None:
-        self.counts["kv_held"] += 1
-        self.counts["kv_held_s"] += seconds
 
     def admit(self, tenant: str = "", weight: int = 1) -> Slot:
         """A place in this router for a request of `tenant` asking for `weight` engine

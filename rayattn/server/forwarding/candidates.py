@@ -25,12 +25,12 @@ KV_RECHECK_S = 0.5
 class Candidates:
     def __init__(self, core: RoutingCore, fleet: FleetView, fair: FairQueue,
                  cap: Callable[[], int], rejected: Callable[[int], None],
-                 held: Callable[[float], None]) -> None:
+                 counts: dict[str, float]) -> None:
         """`cap()`: requests one target takes from this router (serve.max_ongoing_requests);
-        `rejected(status)`: a request refused here; `held(seconds)`: one that waited for KV
-        room that long."""
+        `rejected(status)`: a request refused here; `counts`: the router's, where requests
+        held for KV room are counted (kv_held, kv_held_s)."""
         self.core, self.fleet, self.fair = core, fleet, fair
-        self._cap, self._rejected, self._held = cap, rejected, held
+        self._cap, self._rejected, self._counts = cap, rejected, counts
         self._kv_waiters: dict[int, tuple[int, asyncio.Future[None]]] = {}
         """Requests held by cache-pressure admission, by arrival: (class, wake-up);
         continuing conversations are class 0."""
@@ -112,7 +112,8 @@ class Candidates:
                 room = self.core.kv_room(route, candidates)
                 if room:
                     if seq in self._kv_waiters:
-                        self._held(time.monotonic() - t0)
+                        self._counts["kv_held"] += 1
+                        self._counts["kv_held_s"] += time.monotonic() - t0
                     return room
                 # One entry per waiting request, re-armed on every wake-up or re-check, so
                 # its place (class, arrival) stays what it was when it first waited.

@@ -35,7 +35,7 @@ def make(fleet: Fleet, cap: int = 2) -> tuple[Candidates, SimpleNamespace, list[
                            load=SimpleNamespace(local={}))
     rejected: list[int] = []
     return Candidates(core, fleet, FairQueue(), lambda: cap, rejected.append,
-                      lambda s: None), core, rejected
+                      {"kv_held": 0, "kv_held_s": 0.0}), core, rejected
 
 
 def route(**kw) -> RouteRequest:
