@@ -134,8 +134,19 @@ class Plan:
 
 def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
            block_size: int) -> list[str]:
+    """Every problem of the configuration for this model and backend, one line each naming
+    the field."""
+    return (_check_backend(cfg, arch, spec, block_size) + _check_parallelism(cfg, arch, spec)
+            + _check_placement(cfg) + _check_kv_formats(cfg, arch)
+            + _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
+            + _check_declared_once(cfg) + _check_frontend(cfg.model))
+
+
+def _check_backend(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
+                   block_size: int) -> list[str]:
+    """The attention backend against the platform and the model's attention."""
     p: list[str] = []
-    plat, par, att = cfg.platform, cfg.parallelism, cfg.attention
+    plat, att = cfg.platform, cfg.attention
     if plat.kind not in spec.platforms:
         p.append(f"attention.backend: {spec.name} runs on {'/'.join(spec.platforms)}, not on "
                  f"platform.kind={plat.kind!r}; allowed on {plat.kind}: "
@@ -161,6 +172,14 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
     if not spec.block_size_ok(block_size):
         p.append(f"attention.block_size: {block_size} is not supported by {spec.name}; "
                  f"allowed: {spec.allowed_block_sizes()}")
+    return p
+
+
+def _check_parallelism(cfg: RayAttnConfig, arch: Architecture,
+                       spec: backends.BackendSpec) -> list[str]:
+    """TP, EP, DP and their all-to-all against the model and the platform."""
+    p: list[str] = []
+    plat, par = cfg.platform, cfg.parallelism
     tp = par.tensor_parallel_size
     attn_tp = 1 if par.dp_attention else tp
     if arch.num_attention_heads % attn_tp:
@@ -185,6 +204,13 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
                  "mori_high_throughput, mori_low_latency or allgather_reducescatter")
     if a2a and not par.enable_expert_parallel:
         p.append("parallelism.all2all_backend: only used with enable_expert_parallel=true")
+    return p
+
+
+def _check_placement(cfg: RayAttnConfig) -> list[str]:
+    """Where the replicas' devices come from, and the scheduler's batch against the model."""
+    p: list[str] = []
+    plat, par = cfg.platform, cfg.parallelism
     acc = plat.accelerator_type
     if acc and ((plat.kind == "rocm" and acc not in _ROCM_ACCELERATORS)
                 or (plat.kind == "cuda" and acc not in _CUDA_ACCELERATORS)
@@ -213,10 +239,6 @@ def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,
             and cfg.engine.max_num_batched_tokens < cfg.model.max_model_len):
         p.append("engine.max_num_batched_tokens: must be ≥ model.max_model_len when "
                  "enable_chunked_prefill is false")
-    p += _check_kv_formats(cfg, arch)
-    p += _check_extra_kwargs(cfg.engine.extra_engine_kwargs)
-    p += _check_declared_once(cfg)
-    p += _check_frontend(cfg.model)
     return p
 
 
@@ -306,19 +328,10 @@ def _check_extra_kwargs(extra: dict[str, Any]) -> list[str]:
             for k in extra if k not in known]
 
 
-def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
-    arch = lookup(cfg.model, prepare=prepare_model)
+def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]:
+    """The engine processes' environment: the platform's and the backend's, the hash seed
+    the routers share, what the config's own fields switch on, then engine.env."""
     plat = cfg.platform.kind
-    try:
-        spec, reason = backends.resolve(cfg.attention.backend, plat, arch.kind)
-    except ValueError as e:
-        raise PlanError([str(e)]) from None
-    block_size = cfg.attention.block_size or default_block_size(plat, spec)
-    problems = _check(cfg, arch, spec, block_size)
-    if problems:
-        raise PlanError(problems)
-
-    notes: list[str] = []
     env = {**backends.PLATFORM_ENV[plat], **spec.env,
            "PYTHONHASHSEED": cfg.engine.hash_seed, "VLLM_NO_USAGE_STATS": "1"}
     if cfg.parallelism.devices_per_rank > 1 and plat != "cpu":
@@ -349,6 +362,23 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
     extra_copy = sorted(k for k in env if k.startswith(backends.RAY_EXTRA_ENV_PREFIXES))
     if extra_copy and cfg.parallelism.devices_per_rank > 1:  # only the Ray executor copies
         env["VLLM_RAY_EXTRA_ENV_VARS_TO_COPY"] = ",".join(extra_copy)
+    return env
+
+
+def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
+    arch = lookup(cfg.model, prepare=prepare_model)
+    plat = cfg.platform.kind
+    try:
+        spec, reason = backends.resolve(cfg.attention.backend, plat, arch.kind)
+    except ValueError as e:
+        raise PlanError([str(e)]) from None
+    block_size = cfg.attention.block_size or default_block_size(plat, spec)
+    problems = _check(cfg, arch, spec, block_size)
+    if problems:
+        raise PlanError(problems)
+
+    notes: list[str] = []
+    env = engine_env(cfg, spec)
 
     kwargs = engine_kwargs(cfg, spec, block_size, prepare_model)
     if plat == "cpu" and arch.is_mla and cfg.attention.backend == "auto":
