@@ -29,7 +29,7 @@ from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.kv_budget import KVBudget
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, Policy, PolicyContext, RouteRequest
-from rayattn.routing.prefix_index import EventIndex, PrefixIndex
+from rayattn.routing.prefix_index import CacheIndex, EventIndex, PrefixIndex
 
 log = logging.getLogger("rayattn.router")
 
@@ -133,11 +133,11 @@ class RoutingCore:
     def index_mode(self) -> str:
         return self.settings["index"]
 
-    def _new_index(self) -> PrefixIndex:
+    def _new_index(self) -> CacheIndex:
         mode = self.settings["index"]
         if mode not in INDEX_MODES:
             raise ValueError(f"router.index: {mode!r} is not one of {INDEX_MODES}")
-        index: PrefixIndex = (EventIndex(self.settings["speculative_ttl_s"], self._clock)
+        index: CacheIndex = (EventIndex(self.settings["speculative_ttl_s"], self._clock)
                               if mode == "events" else PrefixIndex())
         for name, capacity in self.routable.items():
             index.add_replica(name, capacity)
