@@ -147,7 +147,7 @@ class Dispatcher:
         self.cfg = cfg
         lora = cfg.model.lora
         # `origin` names this router in the engines' per-origin in-flight counts.
-        self.core = RoutingCore(cfg.router.model_dump(), block_size,
+        self.core = RoutingCore(cfg.router.routing_settings(), block_size,
                                 hash_algo=cfg.engine.prefix_caching_hash_algo,
                                 hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12],
                                 adapters=adapters, adapter_slots=lora.max_loras,
@@ -187,7 +187,7 @@ class Dispatcher:
         """What the core routes to on replica `r`: each of its engine's DP ranks, or the
         replica as a whole (routing/targets.py)."""
         ranks = r.info.dp_ranks if r.info is not None else 1
-        return targets(r.name, ranks if self.core.settings["dp_rank_routing"] else 1)
+        return targets(r.name, ranks if self.core.settings.dp_rank_routing else 1)
 
     def live_targets(self) -> list[str]:
         """The routing targets of the replicas that are up."""
@@ -293,16 +293,16 @@ class Dispatcher:
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.gates.apply(rc)
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
-        if rc.dp_rank_routing != self.core.settings["dp_rank_routing"]:
+        if rc.dp_rank_routing != self.core.settings.dp_rank_routing:
             # Other targets on the same replicas: every replica leaves under the old names
             # and joins under the new ones, with views rebuilt from their engines' events.
             up = [self.fleet.members[n] for n in self.live()]
             for r in up:
                 self._left(r)
-            self.core.reconfigure(rc.model_dump())
+            self.core.reconfigure(rc.routing_settings())
             for r in up:
                 r.up = self._joined(r)
-        elif self.core.reconfigure(rc.model_dump()):
+        elif self.core.reconfigure(rc.routing_settings()):
             self._refeed()
         if self.metrics is not None:
             self.metrics.set_policy(self.core.policy.name)
@@ -340,7 +340,7 @@ class Dispatcher:
             cache_view["speculative"] = view.speculative_blocks
         if view is not None and view.offloaded_blocks:
             cache_view["offloaded"] = view.offloaded_blocks
-        if view is not None and self.core.settings["kv_admission"]:
+        if view is not None and self.core.settings.kv_admission:
             cache_view["admission_fill"] = round(view.admission_fill, 3)
         return EngineStatus(
             r.up, info.pid if info else None, info.rank if info else None,
@@ -407,7 +407,7 @@ class Dispatcher:
             for attempt in range(1 + self.cfg.router.max_retries):
                 turn = (tenant, ticket)
                 candidates = await (self._kv_admitted(route, tried, wait_until, turn)
-                                    if self.core.settings["kv_admission"]
+                                    if self.core.settings.kv_admission
                                     else self._candidates(tried, wait_until, turn,
                                                           route.pinned, route.adapter))
                 d = self.core.choose(route, candidates, retry=attempt > 0)
@@ -527,7 +527,7 @@ class Dispatcher:
             while True:
                 candidates = await self._candidates(tried, wait_until, turn, route.pinned,
                                                     route.adapter)
-                if not self.core.settings["kv_admission"]:
+                if not self.core.settings.kv_admission:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)
                 if room:
