@@ -75,7 +75,7 @@ async def measure(cfg: RayAttnConfig, kwargs: dict, threads: int, concurrency: i
     procs-th one (round robin), and every batch starts when all routers reach `barrier`."""
     cfg.serve.router_render_threads = threads
     renderer = await PromptRenderer.create(cfg, kwargs)
-    core = RoutingCore(cfg.router.model_dump(), cfg.attention.block_size or 16,
+    core = RoutingCore(cfg.router.routing_settings(), cfg.attention.block_size or 16,
                        hash_algo=cfg.engine.prefix_caching_hash_algo,
                        hash_seed=cfg.engine.hash_seed)
     phases: list[dict] = []

@@ -46,7 +46,8 @@ def main() -> None:
             idx.insert(r, chain)
     build_s = time.perf_counter() - t0
     total = sum(idx.size(n) for n in names)
-    pol = policies.build("affinity", PolicyContext(idx, load, 32), RouterConfig().model_dump())
+    pol = policies.build("affinity", PolicyContext(idx, load, 32),
+                         RouterConfig().routing_settings().affinity)
     for n in names:
         for _ in range(rng.randint(0, 8)):
             load.acquire(n, rng.randint(0, 4000))

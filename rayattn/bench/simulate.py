@@ -265,8 +265,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     0..`think_s` after its answer; None: open loop on `arrival`."""
     t_wall = time.perf_counter()
     names = [f"engine-{i}" for i in range(replicas)]
-    settings = {**(router_cfg or RouterConfig()).model_dump(), "policy": policy,
-                "index": index}
+    settings = (router_cfg or RouterConfig()).routing_settings().replace(policy=policy,
+                                                                         index=index)
     now = 0.0  # the simulated clock, which the cores' TTLs and budgets run on
 
     def clock() -> float:

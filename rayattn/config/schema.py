@@ -1,7 +1,10 @@
 """The one configuration model of rayattn.
 
-Every field is documented here and nowhere else: `rayattn check` prints from these models,
-the KubeRay renderer sizes pods from them, and the engine/router read them at start-up. The
+Every field is documented here and nowhere else, but for the router's routing settings:
+those are declared with the routing core that reads them (rayattn/routing/settings.py, the
+core's own and each policy's parameters), and RouterConfig takes them from there. `rayattn
+check` prints from these models, the KubeRay renderer sizes pods from them, and the
+engine/router read them at start-up. The
 same structure is the `args:` of an application in a Ray Serve config file, so one YAML
 drives `serve run`, `rayattn check` and `rayattn render-k8s`.
 """
@@ -15,11 +18,10 @@ from pydantic import (
     ConfigDict,
     Field,
     PositiveInt,
-    field_validator,
     model_validator,
 )
 
-from rayattn.routing import policies
+from rayattn.routing.settings import RouterFields, RoutingSettings
 
 # Mirrors vllm.config.cache.CacheDType (checked by tests/unit/test_config.py against the
 # installed vLLM) so that `rayattn check` works on machines without vLLM.
@@ -324,49 +326,13 @@ class RequestLimits(_Strict):
     conversation."""
 
 
-class RouterConfig(_Strict):
-    index: Literal["events", "predicted"] = "events"
-    """Where the router's picture of each engine's cache comes from. `events`: the engines'
-    own KV events (BlockStored / BlockRemoved / AllBlocksCleared), shared truth for every
-    router replica, with the router's routing decisions kept only as a short-lived
-    speculative overlay until the engine's event arrives. `predicted`: the router's own
-    decisions, an LRU bounded by each engine's KV capacity (a guess, private to each
-    router replica); for engines that cannot publish events."""
-    speculative_ttl_s: float = Field(30.0, gt=0)
-    """`events` index: how long a block the router sent somewhere counts as cached there
-    without the engine's event confirming it (covers queueing before prefill)."""
-    policy: str = "affinity"
-    """How the ingress picks an engine replica: one of the policies registered in
-    rayattn/routing/policies/ (`affinity`: predicted-TTFT cost over the engines' cached
-    blocks; `round_robin`; `power_of_two`: least in-flight of two random; for comparison,
-    `sticky`: vllm-router's sticky_least_loaded, and `ray_prefix`: a text prefix tree like
-    Ray Serve LLM's PrefixCacheAffinityRouter)."""
-    load_epsilon: float = Field(0.5, ge=0)
-    """Bounded-load guard: no replica takes a request while its in-flight count exceeds the
-    larger of (1 + ε) × m and m + `load_slack` (m = the mean in-flight, counting this
-    request), whatever its cache holds."""
-    load_slack: int = Field(4, ge=0)
-    """Bounded-load guard: in-flight requests a replica may carry above the mean before the
-    guard applies, however small the mean. Engines batch, so a few requests more is not a hot
-    spot; without it, at low load (a run's tail, a quiet hour) ⌈(1 + ε) × mean⌉ is a handful
-    and the guard moved conversations off their cache to save nothing (vllm-router's
-    cache_aware waits for an absolute gap of 32)."""
-    min_match_fraction: float = Field(0.1, ge=0, le=1)
-    """`affinity`: a cached prefix shorter than this fraction of the prompt does not count
-    (like Ray Serve LLM's match-rate threshold): new conversations that share only a short
-    head (chat template, a common first line) spread by where they differ instead of piling
-    onto the replica that served the first of them."""
-    prefill_s_per_token: float = Field(2e-4, gt=0)
-    """Initial cost of prefilling one token; refitted online from engine timings."""
-    extend_s_per_context_token: float = Field(1e-6, ge=0)
-    """Initial cost per cached context token an extend attends to; refitted online."""
-    decode_s_per_request: float = Field(5e-3, ge=0)
-    """Cost an in-flight decode adds to a new request's wait."""
-    reload_cost_fraction: float = Field(0.1, ge=0, le=1)
-    """`affinity`: what reloading a cached token from an engine's host-memory KV tier
-    (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
-    far cheaper than the model's compute (docs/gpu.md measures both on an H200); pricing it
-    above zero keeps a conversation on the replica whose HBM still holds it."""
+class RouterConfig(RouterFields, _Strict):
+    """The router's settings. Its routing settings (the cache index, the policy and each
+    policy's parameters, cache-pressure admission, DP-rank targets) are declared with the
+    routing core, in rayattn/routing/settings.py and each policy's module, and come in
+    through `RouterFields`, flat as before; the core runs on `routing_settings()`. The
+    fields below are the server's own."""
+
     stream_interval_ms: float = Field(20.0, ge=0)
     """Streaming: after the first token, output is sent on in chunks at most this often
     (tokens generated meanwhile are merged). Each chunk is one message through the engine
@@ -392,44 +358,6 @@ class RouterConfig(_Strict):
     gRPC channel (`_by_reference=False`), one message per streamed chunk on a persistent
     connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
     is a Ray object with an ownership round trip (slower per chunk)."""
-    kv_admission: bool = False
-    """Cache-pressure-aware admission: a request waits in the router while its engine's
-    running requests plus the histories of its live conversations (by `session_header`)
-    would overflow the engine's KV cache, continuing conversations before new ones, so a
-    burst of new conversations cannot evict the histories of those in their think time
-    (routing/kv_budget.py). Without a host KV tier, LRU eviction otherwise makes every
-    turn a full prefill once the live histories outgrow HBM. With one (engine.kv_offload),
-    quiet histories survive in host memory: only the histories of turns in flight are
-    protected, and admission mostly runs continuing turns first."""
-    conversation_idle_s: float = Field(5.0, gt=0)
-    """`kv_admission`: how long after its last turn a conversation still counts as live
-    (its history kept free of eviction). About the clients' think time; longer protects
-    slower conversations and holds new ones back longer."""
-    kv_admission_fill: float | None = Field(None, gt=0, le=1)
-    """`kv_admission`: the most of each engine's KV cache that running requests and
-    protected histories may fill (the rest is headroom for what the router cannot see:
-    other routers' requests, output beyond max_tokens estimates, histories growing turn by
-    turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
-    histories; one H200, doc_chat, histories growing 4.7k -> 7.6k tokens: 0.95 kept 0.35 of
-    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time, docs/gpu.md section 9),
-    0.95 on engines with one (engine.kv_offload: a history pushed out of HBM is reloaded,
-    not recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
-    this ceiling while its live conversations come back to find their history evicted, and
-    climbs back while they find it kept (routing/kv_budget.py; /health's
-    `admission_fill`)."""
-    kv_admission_protect: Literal["auto", "live", "running"] = "auto"
-    """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every
-    live conversation's (continuing turns never queue behind new conversations' prefills;
-    new conversations wait until live ones go quiet). `running`: only those with a turn in
-    flight, every prompt counted whole (quiet histories wait in the engine's host KV tier;
-    admission then mostly runs continuing turns first). `auto`: `running` on engines with
-    a host tier (engine.kv_offload), else `live` (docs/gpu.md section 9 measures both)."""
-    dp_rank_routing: bool = True
-    """Engines that run DP ranks inside themselves (parallelism.dp_attention or
-    engine_dp_size): route to each rank as a target of its own, by its own KV events and
-    load, and tell vLLM which rank runs the request. False routes to the engine replica
-    and leaves the rank to vLLM's internal balancer, which weighs queue lengths, not
-    cached prefixes."""
     session_header: str = "x-session-id"
     """Request header whose value ties a conversation to one replica when costs are close."""
     max_retries: PositiveInt = 2
@@ -493,15 +421,10 @@ class RouterConfig(_Strict):
     admin_api: bool = False
     """Expose POST /admin/reset (clear engine prefix caches and the index, switch policy) so
     one benchmark run can compare policies on the same engines. Keep off in production."""
-    ray_prefix_match_rate_threshold: float = Field(0.1, ge=0, le=1)
-    """`ray_prefix` policy: minimum matched fraction before affinity is used (Ray's default)."""
-    ray_prefix_imbalanced_threshold: int = Field(10, ge=0)
-    """`ray_prefix` policy: max-min queue gap beyond which it falls back to power-of-two."""
 
-    @field_validator("policy")
-    @classmethod
-    def _registered(cls, name: str) -> str:
-        return policies.spec(name).name  # ValueError naming the registered ones
+    def routing_settings(self) -> RoutingSettings:
+        """The routing core's frozen settings, as these fields declare them."""
+        return RoutingSettings.of(self)
 
 
 class EngineAutoscaling(_Strict):
@@ -664,15 +587,3 @@ class RayAttnConfig(_Strict):
                 "(gpu_memory_utilization would reserve a fraction of host RAM)"
             )
         return self
-
-
-def _policy_settings_are_router_fields() -> None:
-    # A policy's spec names the router settings it reads; one that is not a RouterConfig
-    # field would be silently missing from live changes: fail at import instead.
-    for spec in policies.REGISTRY.values():
-        unknown = set(spec.settings) - set(RouterConfig.model_fields)
-        if unknown:
-            raise TypeError(f"policy {spec.name} reads unknown router settings {unknown}")
-
-
-_policy_settings_are_router_fields()

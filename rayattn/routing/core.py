@@ -29,11 +29,10 @@ from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.kv_budget import KVBudget
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, Policy, PolicyContext, RouteRequest
-from rayattn.routing.prefix_index import EventIndex, PrefixIndex
+from rayattn.routing.prefix_index import CacheIndex, EventIndex, PrefixIndex
+from rayattn.routing.settings import RoutingSettings
 
 log = logging.getLogger("rayattn.router")
-
-INDEX_MODES = ("events", "predicted")
 
 # Token ids of recent conversations' last prompt (+ answer) the core keeps, so a next turn
 # hashes only its new blocks: 4-byte ids, 16M tokens = 64 MiB at most, however many
@@ -87,17 +86,17 @@ class CoreSnapshot:
 
 
 class RoutingCore:
-    def __init__(self, settings: Mapping[str, Any], block_size: int, *,
+    def __init__(self, settings: RoutingSettings, block_size: int, *,
                  hash_algo: str = "sha256", hash_seed: str = "0", origin: str = "",
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic,
                  adapters: Mapping[str, str] | None = None, adapter_slots: int = 1,
                  adapters_cached: int = 1) -> None:
-        """`settings`: the router settings (RouterConfig's fields, as a mapping); `origin`:
+        """`settings`: the routing settings (RouterConfig.routing_settings()); `origin`:
         this router's name in the engines' per-origin load reports; `seed`: for randomised
         policies (the simulator repeats runs); `adapters`: the LoRA adapters the engines
         serve (name: the path they load it from, which vLLM hashes into its blocks), with
         vLLM's max_loras (`adapter_slots`) and max_cpu_loras (`adapters_cached`)."""
-        self.settings = dict(settings)
+        self.settings = settings
         self.adapter_paths = dict(adapters or {})
         self.adapters = AdapterResidency(adapter_slots, adapters_cached) \
             if self.adapter_paths else AdapterResidency()
@@ -109,7 +108,7 @@ class RoutingCore:
         """The replicas this core routes to (joined and not left), with their KV capacity in
         blocks."""
         self.index = self._new_index()
-        self.policy = self._new_policy(self.settings["policy"])
+        self.policy = self._new_policy(self.settings.policy)
         self._prefixes: OrderedDict[str, tuple[array, list[bytes]]] = OrderedDict()
         """Per conversation: the token ids it sent last and their full blocks' hashes."""
         self._prefix_tokens = 0
@@ -119,9 +118,9 @@ class RoutingCore:
         """Where each recent conversation's previous turn went (bounded)."""
         self.regret_tokens: Counter[str] = Counter()
         self.session_moves: Counter[str] = Counter()
-        self.kv = KVBudget(self.settings["conversation_idle_s"],
-                           self.settings["kv_admission_fill"], clock,
-                           self.settings["kv_admission_protect"])
+        self.kv = KVBudget(self.settings.conversation_idle_s,
+                           self.settings.kv_admission_fill, clock,
+                           self.settings.kv_admission_protect)
         """Cache-pressure admission's bookkeeping (the dispatcher gates on it when
         router.kv_admission is on)."""
 
@@ -131,21 +130,18 @@ class RoutingCore:
 
     @property
     def index_mode(self) -> str:
-        return self.settings["index"]
+        return self.settings.index
 
-    def _new_index(self) -> PrefixIndex:
-        mode = self.settings["index"]
-        if mode not in INDEX_MODES:
-            raise ValueError(f"router.index: {mode!r} is not one of {INDEX_MODES}")
-        index: PrefixIndex = (EventIndex(self.settings["speculative_ttl_s"], self._clock)
-                              if mode == "events" else PrefixIndex())
+    def _new_index(self) -> CacheIndex:
+        index: CacheIndex = (EventIndex(self.settings.speculative_ttl_s, self._clock)
+                             if self.settings.index == "events" else PrefixIndex())
         for name, capacity in self.routable.items():
             index.add_replica(name, capacity)
         return index
 
     def _new_policy(self, name: str) -> Policy:
         ctx = PolicyContext(self.index, self.load, self.block_size, self._seed, self.adapters)
-        return policies.build(name, ctx, self.settings)
+        return policies.build(name, ctx, self.settings.params(name))
 
     # --- membership ---------------------------------------------------------------------
     def joined(self, name: str, block_size: int, capacity_blocks: int,
@@ -310,7 +306,7 @@ class RoutingCore:
         d.session = route.session
         # Only an index that follows the engines' own events can tell a kept history from a
         # lost one (the predicted index guesses from this router's traffic, HBM only).
-        learns = self.settings["kv_admission"] and isinstance(self.index, EventIndex)
+        learns = self.settings.kv_admission and isinstance(self.index, EventIndex)
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
                                        route.max_tokens,
                                        (route.continued_tokens, d.predicted_cached_tokens)
@@ -362,23 +358,22 @@ class RoutingCore:
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens)
 
     # --- settings -----------------------------------------------------------------------
-    def reconfigure(self, settings: Mapping[str, Any]) -> bool:
-        """New router settings. The policy is rebuilt (forgetting what it learned) only when
-        its name, one of the settings its spec reads, or the index mode changed. Returns
-        whether the index was replaced (the caller re-attaches its event feeds)."""
-        old, new = self.settings, dict(settings)
-        self.settings = new
-        index_changed = old["index"] != new["index"]
+    def reconfigure(self, settings: RoutingSettings) -> bool:
+        """New routing settings. The policy is rebuilt (forgetting what it learned) only
+        when its name, one of its parameters, or the index mode changed. Returns whether the
+        index was replaced (the caller re-attaches its event feeds)."""
+        old = self.settings
+        self.settings = new = settings
+        index_changed = old.index != new.index
         if index_changed:
             self.index = self._new_index()
         elif isinstance(self.index, EventIndex):
-            self.index.ttl_s = new["speculative_ttl_s"]  # for blocks sent from now on
-        self.kv.idle_s, self.kv.fill = new["conversation_idle_s"], new["kv_admission_fill"]
-        self.kv.protect = new["kv_admission_protect"]
-        reads = policies.spec(new["policy"]).settings
-        if index_changed or old["policy"] != new["policy"] or \
-                any(old[k] != new[k] for k in reads):
-            self.policy = self._new_policy(new["policy"])
+            self.index.ttl_s = new.speculative_ttl_s  # for blocks sent from now on
+        self.kv.idle_s, self.kv.fill = new.conversation_idle_s, new.kv_admission_fill
+        self.kv.protect = new.kv_admission_protect
+        if index_changed or old.policy != new.policy or \
+                old.params(new.policy) != new.params(new.policy):
+            self.policy = self._new_policy(new.policy)
         return index_changed
 
     def reset(self, policy: str | None = None) -> str:
@@ -386,17 +381,17 @@ class RoutingCore:
         a fresh policy (optionally another one), so runs compared on the same engines start
         alike."""
         if policy:
-            self.settings["policy"] = policies.spec(policy).name
+            self.settings = self.settings.replace(policy=policy)
         for name, capacity in self.routable.items():
             self.index.remove_replica(name)
             self.index.add_replica(name, capacity)
         # The engines keep their loaded LoRA adapters through a prefix-cache reset, and so
         # does self.adapters.
-        self.policy = self._new_policy(self.settings["policy"])
+        self.policy = self._new_policy(self.settings.policy)
         self._last_replica.clear()
-        old, self.kv = self.kv, KVBudget(self.settings["conversation_idle_s"],
-                                         self.settings["kv_admission_fill"], self._clock,
-                                         self.settings["kv_admission_protect"])
+        old, self.kv = self.kv, KVBudget(self.settings.conversation_idle_s,
+                                         self.settings.kv_admission_fill, self._clock,
+                                         self.settings.kv_admission_protect)
         self.kv.capacity, self.kv.running = old.capacity, old.running
         self.kv.host_tier = old.host_tier
         self.regret_tokens.clear()

@@ -1,19 +1,70 @@
-"""Which replica holds which prefix blocks: an inverted index (block key -> replicas) plus a
-per-replica LRU bounded by that replica's real KV capacity.
+"""The router's two pictures of what each replica's prefix cache holds, over one shared part
+(routing/block_owners.py: block key <-> replicas, longest-prefix match):
 
-Capacity mirrors the engine (num_gpu_blocks it reported), so the index forgets blocks about
-when the engine evicts them instead of believing in a cache it no longer has. Chains are
-touched tail-first so the head of a prefix is the most recently used, as vLLM frees a
-finished request's blocks tail-first (tails are evicted first).
+- `PrefixIndex` (`router.index: predicted`): the router's own guess from where it sent
+  requests, bounded per replica by an LRU of that replica's real KV capacity.
+- `EventIndex` (`router.index: events`): the engines' real caches from their KV events, with
+  the router's recent decisions as a short-lived speculative overlay; the engines evict, so
+  nothing here does.
+
+Both satisfy `CacheIndex`, which is all the routing core and the policies use.
 """
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
+from typing import Protocol
+
+from rayattn.routing.block_owners import BlockOwners
+
+
+class CacheIndex(Protocol):
+    """What the routing core and the policies ask of a cache index (either kind)."""
+
+    def add_replica(self, replica: str, capacity_blocks: int) -> None: ...
+
+    def remove_replica(self, replica: str) -> None: ...
+
+    @property
+    def replicas(self) -> list[str]: ...
+
+    def size(self, replica: str) -> int:
+        """Blocks counted as held by `replica` (its speculative overlay aside)."""
+        ...
+
+    def speculative(self, replica: str) -> int | None:
+        """Blocks counted on `replica` on the router's word alone (None: no such overlay)."""
+        ...
+
+    def offloaded(self, replica: str) -> int:
+        """Blocks `replica` holds in its host-memory tier (0 where the index can't know)."""
+        ...
+
+    def match(self, keys: Sequence[int]) -> dict[str, int]:
+        """Number of leading blocks of `keys` each replica holds (replicas with 0 omitted)."""
+        ...
+
+    def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        """`match`, and how many of each replica's matched blocks it would reload from its
+        host tier rather than find in its own cache."""
+        ...
+
+    def insert(self, replica: str, keys: Sequence[int]) -> None:
+        """The router sent (or finished) a request carrying `keys` on `replica`."""
+        ...
 
 
 class PrefixIndex:
+    """The router's own guess: blocks count as cached where the router sent them, in a
+    per-replica LRU bounded by that replica's real KV capacity.
+
+    Capacity mirrors the engine (num_gpu_blocks it reported), so the index forgets blocks
+    about when the engine evicts them instead of believing in a cache it no longer has.
+    Chains are touched tail-first so the head of a prefix is the most recently used, as vLLM
+    frees a finished request's blocks tail-first (tails are evicted first)."""
+
     def __init__(self, on_evict: Callable[[str, int], None] | None = None,
                  on_store: Callable[[str, Sequence[int]], None] | None = None) -> None:
         self._on_evict = on_evict
@@ -21,120 +72,72 @@ class PrefixIndex:
         turns these into BlockRemoved events)."""
         self._on_store = on_store
         """Called with (replica, keys) after `insert` (the simulator's BlockStored events)."""
-        self._owners: dict[int, set[str]] = {}
-        self._lru: dict[str, OrderedDict[int, None]] = {}
+        # Each replica's keys in recency order, least recent first: the LRU order itself.
+        self._blocks: BlockOwners[OrderedDict[int, None]] = BlockOwners(OrderedDict)
         self._capacity: dict[str, int] = {}
 
     # --- membership ----------------------------------------------------------------
     def add_replica(self, replica: str, capacity_blocks: int) -> None:
         """A new replica starts empty (its engine's cache is empty too)."""
-        self._lru.setdefault(replica, OrderedDict())
+        self._blocks.add_replica(replica)
         self._capacity[replica] = max(1, capacity_blocks)
         self._evict(replica)
 
     def remove_replica(self, replica: str) -> None:
         """Forget everything a dead or removed replica held."""
-        for key in self._lru.pop(replica, {}):
-            owners = self._owners.get(key)
-            if owners is not None:
-                owners.discard(replica)
-                if not owners:
-                    del self._owners[key]
+        self._blocks.remove_replica(replica)
         self._capacity.pop(replica, None)
 
     @property
     def replicas(self) -> list[str]:
-        return list(self._lru)
+        return self._blocks.replicas
 
     def size(self, replica: str) -> int:
-        return len(self._lru.get(replica, ()))
+        return self._blocks.size(replica)
 
     def capacity(self, replica: str) -> int:
         return self._capacity.get(replica, 0)
 
     def speculative(self, replica: str) -> int | None:
-        """Blocks counted on `replica` on the router's word alone (None: no such overlay)."""
         return None
 
     def offloaded(self, replica: str) -> int:
-        """Blocks `replica` holds in its host-memory tier (events only)."""
         return 0
-
-    def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
-        """`match`, and how many of each replica's matched blocks it would reload from its
-        host tier rather than find in its own cache."""
-        return self.match(keys), {}
 
     # --- queries -------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> dict[str, int]:
-        """Number of leading blocks of `keys` each replica holds (replicas with 0 omitted).
+        return self._blocks.match(keys)
 
-        Walks the chain once, intersecting owner sets, so the cost is O(blocks matched)
-        rather than O(replicas × blocks)."""
-        result: dict[str, int] = {}
-        if not keys:
-            return result
-        alive = self._owners_of(keys[0])
-        if not alive:
-            return result
-        alive = set(alive)
-        for i in range(1, len(keys)):
-            owners = self._owners_of(keys[i])
-            nxt = alive & owners if owners else set()
-            for r in alive - nxt:
-                result[r] = i
-            alive = nxt
-            if not alive:
-                break
-        for r in alive:
-            result[r] = len(keys)
-        return result
-
-    def _owners_of(self, key: int) -> set[str] | None:
-        return self._owners.get(key)
+    def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
+        return self.match(keys), {}
 
     # --- updates -------------------------------------------------------------------
     def insert(self, replica: str, keys: Sequence[int]) -> None:
-        lru = self._lru.get(replica)
+        lru = self._blocks.held(replica)
         if lru is None:
             return  # replica removed while the request was in flight
         for key in reversed(keys):
-            if key in lru:
+            if not self._blocks.add(replica, key):
                 lru.move_to_end(key)
-            else:
-                lru[key] = None
-                self._owners.setdefault(key, set()).add(replica)
         self._evict(replica)
         if self._on_store is not None:
             self._on_store(replica, keys)
 
     def remove_blocks(self, replica: str, keys: Sequence[int]) -> None:
         """Precise mode: the engine reported these blocks evicted."""
-        lru = self._lru.get(replica)
-        if lru is None:
-            return
         for key in keys:
-            if key in lru:
-                del lru[key]
-                self._drop_owner(key, replica)
+            self._blocks.discard(replica, key)
 
     def _evict(self, replica: str) -> None:
-        lru, cap = self._lru[replica], self._capacity[replica]
-        while len(lru) > cap:
-            key, _ = lru.popitem(last=False)
-            self._drop_owner(key, replica)
+        lru, cap = self._blocks.held(replica), self._capacity[replica]
+        while lru is not None and len(lru) > cap:
+            key = next(iter(lru))
+            self._blocks.discard(replica, key)
             if self._on_evict is not None:
                 self._on_evict(replica, key)
 
-    def _drop_owner(self, key: int, replica: str) -> None:
-        owners = self._owners.get(key)
-        if owners is not None:
-            owners.discard(replica)
-            if not owners:
-                del self._owners[key]
 
-
-class EventIndex(PrefixIndex):
+class EventIndex:
     """The engines' real caches, from their KV events, plus a speculative overlay.
 
     Truth changes only through `stored` / `removed` / `cleared` / `reset` (the event feed);
@@ -144,9 +147,8 @@ class EventIndex(PrefixIndex):
     removes it, or `ttl_s` passes."""
 
     def __init__(self, ttl_s: float = 30.0, clock: Callable[[], float] | None = None) -> None:
-        import time
-
-        super().__init__()
+        # No order is kept per replica: the engine, not this index, decides what goes.
+        self._blocks: BlockOwners[dict[int, None]] = BlockOwners(dict)
         self._host: dict[str, Counter[int]] = {}
         """Per replica, the blocks of its host tier (vLLM's offloading connector), counted:
         a block announced by several offloaded chunks leaves with the last of them."""
@@ -158,20 +160,33 @@ class EventIndex(PrefixIndex):
         # blocks evicted before their event) do not pile up.
         self._expiry: deque[tuple[float, int, str]] = deque()
 
+    # --- membership ----------------------------------------------------------------
     def add_replica(self, replica: str, capacity_blocks: int = 0) -> None:
-        self._lru.setdefault(replica, OrderedDict())
-        self._capacity[replica] = 1 << 62
+        """A new replica starts empty (its events fill it). `capacity_blocks` is not used:
+        the engine evicts, and says so."""
+        self._blocks.add_replica(replica)
         self._host.setdefault(replica, Counter())
 
     def remove_replica(self, replica: str) -> None:
-        super().remove_replica(replica)
+        self._blocks.remove_replica(replica)
         self._host.pop(replica, None)
         for key in [k for k, owners in self._spec.items() if replica in owners]:
             self._drop_spec(key, replica)
 
+    @property
+    def replicas(self) -> list[str]:
+        return self._blocks.replicas
+
+    def size(self, replica: str) -> int:
+        return self._blocks.size(replica)
+
+    def speculative(self, replica: str) -> int | None:
+        return sum(1 for owners in self._spec.values() if replica in owners)
+
     def offloaded(self, replica: str) -> int:
         return len(self._host.get(replica, ()))
 
+    # --- queries -------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> dict[str, int]:
         return self.match_tiers(keys)[0]
 
@@ -179,7 +194,7 @@ class EventIndex(PrefixIndex):
         """What vLLM's scheduler will find: the leading blocks in the engine's own cache,
         then, from the first one missing there, the run its offloading connector holds
         (it looks up the host tier only past the GPU hit, and reloads those blocks)."""
-        held = PrefixIndex.match(self, keys)
+        held = self._blocks.match(keys, self._owners_of)
         reloaded: dict[str, int] = {}
         for replica, host in self._host.items():
             if not host:
@@ -192,8 +207,9 @@ class EventIndex(PrefixIndex):
         return held, reloaded
 
     def _owners_of(self, key: int) -> set[str] | None:
+        """The engines' owners of `key` and the overlay's live ones (expired ones go)."""
         spec = self._spec.get(key)
-        truth = self._owners.get(key)
+        truth = self._blocks.owners(key)
         if not spec:
             return truth
         now = self._clock()
@@ -203,14 +219,15 @@ class EventIndex(PrefixIndex):
                 self._drop_spec(key, r)
         return (truth | live) if truth else live
 
+    # --- the router's own decisions: the overlay --------------------------------------
     def insert(self, replica: str, keys: Sequence[int]) -> None:
-        if replica not in self._lru:
+        if replica not in self._blocks:
             return
         now = self._clock()
         self._sweep(now)
         exp = now + self.ttl_s
         for key in keys:
-            owners = self._owners.get(key)
+            owners = self._blocks.owners(key)
             if owners is None or replica not in owners:
                 self._spec.setdefault(key, {})[replica] = exp
                 self._expiry.append((exp, key, replica))
@@ -223,20 +240,15 @@ class EventIndex(PrefixIndex):
             if spec is not None and spec.get(replica) == exp:  # not renewed since
                 self._drop_spec(key, replica)
 
-    def speculative(self, replica: str) -> int | None:
-        return sum(1 for owners in self._spec.values() if replica in owners)
-
     # --- from the engine's events ----------------------------------------------------
     def stored(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
-        lru = self._lru.get(replica)
-        if lru is None:
+        if replica not in self._blocks:
             return
         if tier != "gpu":
             self._host[replica].update(keys)
             return
         for key in keys:
-            lru[key] = None
-            self._owners.setdefault(key, set()).add(replica)
+            self._blocks.add(replica, key)
             self._drop_spec(key, replica)
 
     def removed(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
@@ -248,8 +260,8 @@ class EventIndex(PrefixIndex):
                 else:
                     host[key] -= 1
             return
-        self.remove_blocks(replica, keys)
         for key in keys:
+            self._blocks.discard(replica, key)
             self._drop_spec(key, replica)
 
     def cleared(self, replica: str) -> None:
@@ -263,9 +275,9 @@ class EventIndex(PrefixIndex):
         (vLLM publishes a reset_prefix_cache's AllBlocksCleared with the engine's next
         step, so it lands after the first requests of the next burst were routed; dropping
         their overlay sent their siblings elsewhere to prefill the same prefix again.)"""
-        if replica not in self._lru:
+        if replica not in self._blocks:
             return  # it left (a feed's last snapshot can land after that)
-        PrefixIndex.remove_replica(self, replica)
+        self._blocks.remove_replica(replica)
         self._host.pop(replica, None)
         self.add_replica(replica)
         self.stored(replica, keys)

@@ -65,7 +65,7 @@ class Dispatcher:
         self.cfg = cfg
         lora = cfg.model.lora
         # `origin` names this router in the engines' per-origin in-flight counts.
-        self.core = RoutingCore(cfg.router.model_dump(), block_size,
+        self.core = RoutingCore(cfg.router.routing_settings(), block_size,
                                 hash_algo=cfg.engine.prefix_caching_hash_algo,
                                 hash_seed=cfg.engine.hash_seed, origin=uuid.uuid4().hex[:12],
                                 adapters=adapters, adapter_slots=lora.max_loras,
@@ -114,9 +114,9 @@ class Dispatcher:
     def apply_router_config(self, rc: RouterConfig) -> None:
         self.gates.apply(rc)
         self.quarantine.after, self.quarantine.hold_s = rc.quarantine_after, rc.quarantine_s
-        if rc.dp_rank_routing != self.core.settings["dp_rank_routing"]:
-            self.fleet.retarget(lambda: self.core.reconfigure(rc.model_dump()))
-        elif self.core.reconfigure(rc.model_dump()):
+        if rc.dp_rank_routing != self.core.settings.dp_rank_routing:
+            self.fleet.retarget(lambda: self.core.reconfigure(rc.routing_settings()))
+        elif self.core.reconfigure(rc.routing_settings()):
             self.fleet.refeed()
         if self.metrics is not None:
             self.metrics.set_policy(self.core.policy.name)
@@ -138,7 +138,7 @@ class Dispatcher:
                               core.policy, core.index_mode, self.gates.admission.limit,
                               {**self.counts, **self.gates.counts()},
                               status.engines(self.fleet, core,
-                                             self.core.settings["kv_admission"]),
+                                             self.core.settings.kv_admission),
                               core.regret_tokens, core.session_moves, self.feeds.syncing())
 
     def stream_interval_s(self) -> float:

@@ -12,7 +12,7 @@ ADAPTERS = {"pirate": "/lora/pirate", "poet": "/lora/poet", "sage": "/lora/sage"
 
 
 def core(slots: int = 1, cached: int = 1, replicas: tuple[str, ...] = ("a", "b")) -> RoutingCore:
-    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS, adapters=ADAPTERS,
+    c = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS, adapters=ADAPTERS,
                     adapter_slots=slots, adapters_cached=cached)
     for name in replicas:
         assert c.joined(name, BS, 1000)

@@ -12,7 +12,7 @@ BS = 16
 
 
 def core(**settings) -> RoutingCore:
-    c = RoutingCore(RouterConfig(index="predicted", **settings).model_dump(), BS)
+    c = RoutingCore(RouterConfig(index="predicted", **settings).routing_settings(), BS)
     for name in ("a", "b"):
         assert c.joined(name, BS, 1000)
     return c
@@ -128,16 +128,17 @@ def test_observe_refits_the_cost_model_through_the_lifecycle():
 def test_reconfigure_rebuilds_only_on_a_setting_the_policy_reads():
     c = core()
     pol = c.policy
-    assert not c.reconfigure({**c.settings, "max_inflight": 7})
+    assert not c.reconfigure(RouterConfig(index="predicted", max_inflight=7,
+                                          ray_prefix_imbalanced_threshold=3).routing_settings())
     assert c.policy is pol  # not one of affinity's settings: what it learned stays
-    c.reconfigure({**c.settings, "load_slack": 9})
+    c.reconfigure(RouterConfig(index="predicted", load_slack=9).routing_settings())
     assert c.policy is not pol and c.policy.slack == 9
-    assert c.reconfigure({**c.settings, "index": "events"})  # the caller re-feeds
+    assert c.reconfigure(c.settings.replace(index="events"))  # the caller re-feeds
     assert c.index_mode == "events" and set(c.index.replicas) == {"a", "b"}
 
 
 def test_block_size_from_the_first_engine_and_mismatches_refused():
-    c = RoutingCore(RouterConfig().model_dump(), 32)
+    c = RoutingCore(RouterConfig().routing_settings(), 32)
     assert c.joined("a", BS, 100) and c.block_size == BS
     assert not c.joined("b", 32, 100)
     assert "b" not in c.routable
@@ -145,7 +146,7 @@ def test_block_size_from_the_first_engine_and_mismatches_refused():
 
 def test_unknown_policy_names_the_registered_ones():
     with pytest.raises(ValueError, match="affinity, round_robin"):
-        RoutingCore({**RouterConfig().model_dump(), "policy": "nope"}, BS)
+        RoutingCore(RouterConfig().routing_settings().replace(policy="nope"), BS)
 
 
 def test_regret_and_moves_are_counted_by_reason():
@@ -184,7 +185,7 @@ def test_sticky_keeps_a_conversation_home_and_places_new_ones_least_loaded():
 
 
 def test_engines_sharing_a_device_share_their_queue():
-    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    c = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
     for name in ("a", "b"):
         assert c.joined(name, BS, 1000, device="GPU-0")
     home = c.request(prompt(60), session="s")
@@ -197,7 +198,7 @@ def test_engines_sharing_a_device_share_their_queue():
     d = c.choose(home, ["a", "b"])
     assert d.replica == "a" and d.moved_from is None
 
-    apart = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    apart = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
     for name, dev in (("a", "GPU-0"), ("b", "GPU-1")):
         assert apart.joined(name, BS, 1000, device=dev)
     apart.index.insert("a", home.keys)

@@ -112,7 +112,7 @@ def test_core_lifecycle_keeps_the_budget():
     now = [0.0]
     core = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
                                     conversation_idle_s=5.0,
-                                    kv_admission_fill=0.95).model_dump(), 16,
+                                    kv_admission_fill=0.95).routing_settings(), 16,
                        clock=lambda: now[0])
     assert core.joined("e0", 16, 500)  # 8,000 tokens
     assert core.kv.capacity == {"e0": 8000}
@@ -228,7 +228,7 @@ def test_the_core_learns_from_its_event_index_and_only_with_admission_on():
     for admission in (True, False):
         now = [0.0]
         core = RoutingCore(RouterConfig(kv_admission=admission, kv_admission_fill=0.9,
-                                        speculative_ttl_s=1.0).model_dump(), 16,
+                                        speculative_ttl_s=1.0).routing_settings(), 16,
                            clock=lambda now=now: now[0])
         core.joined("e0", 16, 5000)
         prompt = list(range(3000))
@@ -260,7 +260,7 @@ def test_the_core_learns_from_its_event_index_and_only_with_admission_on():
             (0.9 * FILL_BACKOFF if admission else 0.9)
     # The predicted index guesses from the router's own traffic: nothing learned from it.
     predicted = RoutingCore(RouterConfig(index="predicted", kv_admission=True,
-                                         kv_admission_fill=0.9).model_dump(), 16)
+                                         kv_admission_fill=0.9).routing_settings(), 16)
     assert predicted.joined("e0", 16, 5000)
     route = predicted.request(list(range(3000)), session="s")
     d = predicted.choose(route, ["e0"])
@@ -294,14 +294,15 @@ def test_unset_the_ceiling_is_lower_where_no_host_tier_keeps_evicted_histories()
 def test_a_cold_start_forgets_the_back_off_and_a_new_ceiling_applies_live():
     from rayattn.routing.kv_budget import FILL_BACKOFF
 
-    core = RoutingCore(RouterConfig(kv_admission=True, kv_admission_fill=0.9).model_dump(), 16)
+    core = RoutingCore(RouterConfig(kv_admission=True,
+                                    kv_admission_fill=0.9).routing_settings(), 16)
     core.joined("e0", 16, 5000)
     core.kv._learn("e0", kept=False)
     assert core.kv.fill_of("e0") == 0.9 * FILL_BACKOFF
     # A live change of the ceiling (user_config) keeps the back-off as a share of it.
-    core.reconfigure({**core.settings, "kv_admission_fill": 0.5})
+    core.reconfigure(core.settings.replace(kv_admission_fill=0.5))
     assert core.kv.fill_of("e0") == 0.5 * FILL_BACKOFF
-    core.reconfigure({**core.settings, "kv_admission_fill": None})  # unset: by tier
+    core.reconfigure(core.settings.replace(kv_admission_fill=None))  # unset: by tier
     assert core.kv.fill_of("e0") == 0.7 * FILL_BACKOFF
     # After a reset the engines are empty: what was lost before says nothing now.
     core.reset()

@@ -60,7 +60,7 @@ def _send(pub, *events) -> None:
 
 def _events_core(*replicas: str) -> tuple[RoutingCore, EventIndex]:
     """The router's own wiring: a routing core that follows events, these replicas joined."""
-    core = RoutingCore(RouterConfig(index="events").model_dump(), 16)
+    core = RoutingCore(RouterConfig(index="events").routing_settings(), 16)
     for name in replicas:
         assert core.joined(name, 16, 100)
     index = core.index

@@ -13,6 +13,7 @@ from rayattn.config.schema import RouterConfig
 from rayattn.routing import policies
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import PolicyContext, RouteRequest, rendezvous_rank
+from rayattn.routing.policies.affinity import AffinityParams
 from rayattn.routing.prefix_index import PrefixIndex
 
 BS = 16
@@ -25,7 +26,8 @@ def fleet(n: int, policy: str = "affinity", eps: float = 0.5, cap: int = 10_000,
     for r in names:
         idx.add_replica(r, cap)
     pol = policies.build(policy, PolicyContext(idx, load, BS, seed=0),
-                         RouterConfig(load_epsilon=eps, load_slack=slack).model_dump())
+                         RouterConfig(load_epsilon=eps, load_slack=slack).routing_settings()
+                         .params(policy))
     return pol, idx, load, names
 
 
@@ -366,8 +368,7 @@ def tiered_fleet():
     idx, load = EventIndex(), LoadTracker()
     for r in ("r0", "r1", "r2"):
         idx.add_replica(r)
-    pol = policies.build("affinity", PolicyContext(idx, load, BS, seed=0),
-                         RouterConfig().model_dump())
+    pol = policies.build("affinity", PolicyContext(idx, load, BS, seed=0), AffinityParams())
     pol.cost.prefill_s_per_token, pol.cost.ctx_s_per_token = 1e-5, 1e-7
     pol.cost.decode_s_per_request = 1e-4
     return pol, idx, load
@@ -456,7 +457,7 @@ def test_several_routers_fill_engines_sharing_a_gpu_evenly_on_stale_reports():
             idx.add_replica(r, 10_000)
             load.device[r] = "gpu0"
         routers.append((policies.build("affinity", PolicyContext(idx, load, BS, seed=0),
-                                       RouterConfig().model_dump()), load))
+                                       AffinityParams()), load))
     truth = {"r0": {f"o{k}": 0 for k in range(4)}, "r1": {f"o{k}": 0 for k in range(4)}}
     late = dict(truth["r1"])
     for i in range(128):

@@ -20,11 +20,12 @@ def test_never_exceeds_capacity_and_owners_consistent(ops, cap):
     for r, chain in ops:
         idx.insert(r, chain)
         assert idx.size(r) <= cap
+    blocks = idx._blocks
     for r in "abc":
-        for key in idx._lru[r]:
-            assert r in idx._owners[key]
-    for key, owners in idx._owners.items():
-        assert owners and all(key in idx._lru[o] for o in owners)
+        for key in blocks.held(r) or ():
+            assert r in (blocks.owners(key) or ())
+    for key, owners in blocks.items():
+        assert owners and all(key in (blocks.held(o) or ()) for o in owners)
 
 
 @settings(max_examples=200, deadline=None)

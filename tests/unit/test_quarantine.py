@@ -26,7 +26,7 @@ class Clock:
 def core() -> RoutingCore:
     from rayattn.config.schema import RouterConfig
 
-    return RoutingCore(RouterConfig().model_dump(), BS)
+    return RoutingCore(RouterConfig().routing_settings(), BS)
 
 
 def test_fingerprint_tells_prompts_apart_by_any_token(core):

@@ -36,7 +36,7 @@ def _turn(c: RoutingCore, ids: list[int], session: str, candidates: list[str],
 def test_conversations_stay_on_the_rank_that_holds_them_and_spread_over_ranks():
     """One replica, two DP ranks on two GPUs: each rank is a cache of its own. Conversations
     start where there is room and keep their rank; the other rank's cache is no hit."""
-    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    c = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
     ranks = targets("engine-a", 2)
     for i, name in enumerate(ranks):
         assert c.joined(name, BS, 1000, device=f"GPU-{i}", max_batch=8)
@@ -63,7 +63,7 @@ def test_conversations_stay_on_the_rank_that_holds_them_and_spread_over_ranks():
 
 
 def test_load_is_per_rank():
-    c = RoutingCore(RouterConfig(index="predicted").model_dump(), BS)
+    c = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
     ranks = targets("engine-a", 2)
     for i, name in enumerate(ranks):
         assert c.joined(name, BS, 1000, device=f"GPU-{i}")

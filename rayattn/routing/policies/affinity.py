@@ -35,8 +35,9 @@ history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from typing import Any
+
+from pydantic import BaseModel, Field
 
 from rayattn.routing.policies.base import (
     Decision,
@@ -46,7 +47,42 @@ from rayattn.routing.policies.base import (
     rendezvous_rank,
 )
 from rayattn.routing.policies.cost_model import CostModel
-from rayattn.routing.policies.spec import PolicySpec
+from rayattn.routing.policies.spec import PolicyParams, PolicySpec
+
+
+class AffinityFields(BaseModel):
+    """`affinity`'s parameters, as `router:` spells them (RouterConfig takes these fields)."""
+
+    load_epsilon: float = Field(0.5, ge=0)
+    """Bounded-load guard: no replica takes a request while its in-flight count exceeds the
+    larger of (1 + ε) × m and m + `load_slack` (m = the mean in-flight, counting this
+    request), whatever its cache holds."""
+    load_slack: int = Field(4, ge=0)
+    """Bounded-load guard: in-flight requests a replica may carry above the mean before the
+    guard applies, however small the mean. Engines batch, so a few requests more is not a hot
+    spot; without it, at low load (a run's tail, a quiet hour) ⌈(1 + ε) × mean⌉ is a handful
+    and the guard moved conversations off their cache to save nothing (vllm-router's
+    cache_aware waits for an absolute gap of 32)."""
+    min_match_fraction: float = Field(0.1, ge=0, le=1)
+    """`affinity`: a cached prefix shorter than this fraction of the prompt does not count
+    (like Ray Serve LLM's match-rate threshold): new conversations that share only a short
+    head (chat template, a common first line) spread by where they differ instead of piling
+    onto the replica that served the first of them."""
+    prefill_s_per_token: float = Field(2e-4, gt=0)
+    """Initial cost of prefilling one token; refitted online from engine timings."""
+    extend_s_per_context_token: float = Field(1e-6, ge=0)
+    """Initial cost per cached context token an extend attends to; refitted online."""
+    decode_s_per_request: float = Field(5e-3, ge=0)
+    """Cost an in-flight decode adds to a new request's wait."""
+    reload_cost_fraction: float = Field(0.1, ge=0, le=1)
+    """`affinity`: what reloading a cached token from an engine's host-memory KV tier
+    (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
+    far cheaper than the model's compute (docs/gpu.md measures both on an H200); pricing it
+    above zero keeps a conversation on the replica whose HBM still holds it."""
+
+
+class AffinityParams(AffinityFields, PolicyParams):
+    """`affinity`'s parameters, frozen (its factory's input)."""
 
 
 class Affinity(Policy):
@@ -205,15 +241,13 @@ class Affinity(Policy):
             self.cost.observe_decode(timings.get("itl_s"), running)
 
 
-def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> Affinity:
-    cost = CostModel(settings["prefill_s_per_token"], settings["extend_s_per_context_token"],
-                     settings["decode_s_per_request"], settings["reload_cost_fraction"])
-    return Affinity(ctx, cost=cost, epsilon=settings["load_epsilon"],
-                    min_match_fraction=settings["min_match_fraction"],
-                    slack=settings["load_slack"])
+def _build(ctx: PolicyContext, params: AffinityParams) -> Affinity:
+    cost = CostModel(params.prefill_s_per_token, params.extend_s_per_context_token,
+                     params.decode_s_per_request, params.reload_cost_fraction)
+    return Affinity(ctx, cost=cost, epsilon=params.load_epsilon,
+                    min_match_fraction=params.min_match_fraction, slack=params.load_slack)
 
 
 SPEC = PolicySpec(
     "affinity", "predicted-TTFT cost over the engines' cached blocks, bounded load",
-    ("load_epsilon", "load_slack", "min_match_fraction", "prefill_s_per_token",
-     "extend_s_per_context_token", "decode_s_per_request", "reload_cost_fraction"), _build)
+    AffinityParams, _build)

@@ -10,7 +10,7 @@ from typing import Any
 
 from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.load import LoadTracker
-from rayattn.routing.prefix_index import PrefixIndex
+from rayattn.routing.prefix_index import CacheIndex
 
 
 @dataclass
@@ -98,7 +98,7 @@ class PolicyContext:
     """What a policy is built on: the cache index, the load view, the block size (and a seed
     for the randomised ones, so simulations repeat)."""
 
-    index: PrefixIndex
+    index: CacheIndex
     load: LoadTracker
     block_size: int
     seed: int | None = None

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping
-from typing import Any
 
 from rayattn.routing.policies.base import Decision, Policy, PolicyContext, RouteRequest
-from rayattn.routing.policies.spec import PolicySpec
+from rayattn.routing.policies.spec import PolicyParams, PolicySpec
 
 
 class PowerOfTwo(Policy):
@@ -23,9 +21,9 @@ class PowerOfTwo(Policy):
         return Decision(r, "power_of_two", self.predicted(req, r))
 
 
-def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> PowerOfTwo:
+def _build(ctx: PolicyContext, params: PolicyParams) -> PowerOfTwo:
     return PowerOfTwo(ctx)
 
 
-SPEC = PolicySpec("power_of_two", "the less loaded of two random replicas", (), _build,
-                  uses_prefix_cache=False)
+SPEC = PolicySpec("power_of_two", "the less loaded of two random replicas", PolicyParams,
+                  _build, uses_prefix_cache=False)

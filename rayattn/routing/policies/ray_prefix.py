@@ -2,13 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
+from pydantic import BaseModel, Field
 
 from rayattn.routing.policies.base import Decision, PolicyContext, RouteRequest
 from rayattn.routing.policies.power_of_two import PowerOfTwo
-from rayattn.routing.policies.spec import PolicySpec
+from rayattn.routing.policies.spec import PolicyParams, PolicySpec
 from rayattn.routing.text_tree import TextPrefixTree
+
+
+class RayPrefixFields(BaseModel):
+    """`ray_prefix`'s parameters, as `router:` spells them (RouterConfig takes these fields;
+    prefixed there, as every router setting shares one namespace)."""
+
+    ray_prefix_match_rate_threshold: float = Field(0.1, ge=0, le=1)
+    """`ray_prefix` policy: minimum matched fraction before affinity is used (Ray's default)."""
+    ray_prefix_imbalanced_threshold: int = Field(10, ge=0)
+    """`ray_prefix` policy: max-min queue gap beyond which it falls back to power-of-two."""
+
+
+class RayPrefixParams(RayPrefixFields, PolicyParams):
+    """`ray_prefix`'s parameters, frozen (its factory's input)."""
 
 
 class RayPrefix(PowerOfTwo):
@@ -45,12 +58,10 @@ class RayPrefix(PowerOfTwo):
         self.tree.remove_tenant(replica)
 
 
-def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> RayPrefix:
-    return RayPrefix(ctx, settings["ray_prefix_match_rate_threshold"],
-                     settings["ray_prefix_imbalanced_threshold"])
+def _build(ctx: PolicyContext, params: RayPrefixParams) -> RayPrefix:
+    return RayPrefix(ctx, params.ray_prefix_match_rate_threshold,
+                     params.ray_prefix_imbalanced_threshold)
 
 
 SPEC = PolicySpec("ray_prefix", "a text prefix tree like Ray Serve LLM's "
-                  "PrefixCacheAffinityRouter (for comparison)",
-                  ("ray_prefix_match_rate_threshold", "ray_prefix_imbalanced_threshold"),
-                  _build)
+                  "PrefixCacheAffinityRouter (for comparison)", RayPrefixParams, _build)

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from rayattn.routing.policies.base import Decision, Policy, PolicyContext, RouteRequest
-from rayattn.routing.policies.spec import PolicySpec
+from rayattn.routing.policies.spec import PolicyParams, PolicySpec
 
 
 class RoundRobin(Policy):
@@ -22,9 +19,9 @@ class RoundRobin(Policy):
         return Decision(r, "round_robin", self.predicted(req, r))
 
 
-def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> RoundRobin:
+def _build(ctx: PolicyContext, params: PolicyParams) -> RoundRobin:
     return RoundRobin(ctx)
 
 
-SPEC = PolicySpec("round_robin", "each request to the next replica in turn", (), _build,
-                  uses_prefix_cache=False)
+SPEC = PolicySpec("round_robin", "each request to the next replica in turn", PolicyParams,
+                  _build, uses_prefix_cache=False)

@@ -5,11 +5,8 @@ one for load."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 from rayattn.routing.policies.base import Decision, Policy, PolicyContext, RouteRequest
-from rayattn.routing.policies.spec import PolicySpec
+from rayattn.routing.policies.spec import PolicyParams, PolicySpec
 
 
 class Sticky(Policy):
@@ -24,10 +21,10 @@ class Sticky(Policy):
         return Decision(chosen, reason, self.predicted(req, chosen))
 
 
-def _build(ctx: PolicyContext, settings: Mapping[str, Any]) -> Sticky:
+def _build(ctx: PolicyContext, params: PolicyParams) -> Sticky:
     return Sticky(ctx)
 
 
 SPEC = PolicySpec("sticky", "a conversation stays on its first replica; new ones to the "
-                  "least loaded (like vllm-router's sticky_least_loaded)", (), _build,
+                  "least loaded (like vllm-router's sticky_least_loaded)", PolicyParams, _build,
                   uses_prefix_cache=False)

@@ -41,7 +41,7 @@ class FleetView:
         """What the core routes to on replica `r`: each of its engine's DP ranks, or the
         replica as a whole (routing/targets.py)."""
         ranks = r.info.dp_ranks if r.info is not None else 1
-        return targets(r.name, ranks if self.core.settings["dp_rank_routing"] else 1)
+        return targets(r.name, ranks if self.core.settings.dp_rank_routing else 1)
 
     def live_targets(self) -> list[str]:
         return [t for n in self.live() for t in self.targets(self.members[n])]

@@ -38,7 +38,7 @@ class Candidates:
 
     async def get(self, route: RouteRequest, tried: set[str], wait_until: float,
                   turn: tuple[str, int]) -> list[str]:
-        if self.core.settings["kv_admission"]:
+        if self.core.settings.kv_admission:
             return await self._kv_admitted(route, tried, wait_until, turn)
         return await self._open(tried, wait_until, turn, route.pinned, route.adapter)
 
@@ -107,7 +107,7 @@ class Candidates:
             while True:
                 candidates = await self._open(tried, wait_until, turn, route.pinned,
                                               route.adapter)
-                if not self.core.settings["kv_admission"]:
+                if not self.core.settings.kv_admission:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)
                 if room:

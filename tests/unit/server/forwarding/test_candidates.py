@@ -31,7 +31,7 @@ class Fleet:
 
 
 def make(fleet: Fleet, cap: int = 2) -> tuple[Candidates, SimpleNamespace, list[int]]:
-    core = SimpleNamespace(settings={"kv_admission": False},
+    core = SimpleNamespace(settings=SimpleNamespace(kv_admission=False),
                            load=SimpleNamespace(local={}))
     rejected: list[int] = []
     return Candidates(core, fleet, FairQueue(), lambda: cap, rejected.append,
