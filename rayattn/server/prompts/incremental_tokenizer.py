@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from rayattn.integrations import patches
 from rayattn.server.prompts import parallel_tokenizing
 
 log = logging.getLogger("rayattn.router")
@@ -231,8 +232,7 @@ def install(tokenizer: Any) -> Counts | None:
             heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
         return _encoding(ids)
 
-    layer = type(f"IncrementallyTokenizing{base.__name__}", (base,), {"__call__": __call__})
-    tokenizer.__class__ = layer
+    patches.swap_tokenizer_call(tokenizer, __call__)
     return counts
 
 
