@@ -170,7 +170,8 @@ def _plain(kwargs: dict[str, Any]) -> bool:
 
 
 def install(tokenizer: Any) -> Counts | None:
-    """Make `tokenizer` (vLLM's renderer's, in this process) reuse prompt heads, in place.
+    """Make `tokenizer` (vLLM's renderer's, in this process) reuse prompt heads, in place
+    (a class swap: the run-time patch `incremental_tokenizer`, rayattn/integrations/patches.py).
     Returns its counters, or None where the identity does not hold (nothing changed)."""
     if not callable(tokenizer):
         return None

@@ -133,3 +133,13 @@ def test_serve_awaits_the_coroutine_a_replicas_del_returns():
     pins.source_says(UserCallableWrapper._call_func_or_gen,
                      r"result = callable\(\*args, \*\*kwargs\) if inspect\.iscoroutine\(result\)"
                      r": result = await result", user=user)
+
+
+def test_a_handle_can_call_by_value_with_pickle():
+    """The router's gRPC and direct transports call the engine deployment by value, with the
+    standard pickle (the private `_by_reference` option of a handle)."""
+    from ray.serve.handle import DeploymentHandle
+
+    pins.params(DeploymentHandle.options, "stream", "_by_reference", "request_serialization",
+                "response_serialization",
+                user="rayattn/server/dispatch.py Dispatcher._stream_handle")
