@@ -115,7 +115,7 @@ def test_the_rivals_hook_applies_and_logs_once(caplog):
 
 
 def test_the_router_logs_its_renderers_patches_once(monkeypatch, caplog):
-    from rayattn.server import rendering
+    from rayattn.server.prompts import rendering
 
     async def render_state(engine_kwargs, frontend):
         tokenizer = object()  # not callable: the incremental layer stays off

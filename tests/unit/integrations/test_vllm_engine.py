@@ -31,7 +31,7 @@ def test_a_dead_engine_raises_engine_dead_error():
 
     assert engine_crash_types(), (
         f"{pins.version('vllm')}: no vllm.v1.engine.exceptions.EngineDeadError; "
-        "rayattn/server/replica_set.py tells a crashed engine by it")
+        "rayattn/server/fleet/replica_set.py tells a crashed engine by it")
 
 
 def test_async_llm_answers_what_the_replica_asks():

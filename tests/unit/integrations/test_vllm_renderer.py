@@ -1,14 +1,14 @@
 """Pins: vLLM's engine-free renderer as the router builds and calls it
-(rayattn/integrations/vllm_renderer.py, rayattn/server/rendering.py), what the render-once
+(rayattn/integrations/vllm_renderer.py, rayattn/server/prompts/rendering.py), what the render-once
 patch replaces (rayattn/integrations/patches.py), and the transformers tokenizer internals
-the router's tokenizer layers read (rayattn/server/parallel_tokenizing.py)."""
+the router's tokenizer layers read (rayattn/server/prompts/parallel_tokenizing.py)."""
 
 from __future__ import annotations
 
 from rayattn import compat
 from tests.unit.integrations import pins
 
-RENDERING = "rayattn/server/rendering.py"
+RENDERING = "rayattn/server/prompts/rendering.py"
 RENDER_ONCE = "rayattn/integrations/patches.py serve_rendered_prompts (render once)"
 
 
@@ -58,7 +58,7 @@ def test_a_fast_tokenizer_keeps_its_rust_backend_as_tokenizer(tmp_path):
 
     _tokenizer(tmp_path)
     tok = AutoTokenizer.from_pretrained(str(tmp_path))
-    user = "rayattn/server/parallel_tokenizing.py install (tokenizer._tokenizer)"
+    user = "rayattn/server/prompts/parallel_tokenizing.py install (tokenizer._tokenizer)"
     assert getattr(tok, "_tokenizer", None) is tok.backend_tokenizer, (
         f"{pins.version('transformers')}: {type(tok).__name__}._tokenizer is no longer its "
         f"Rust backend; {user} reads it")
