@@ -106,7 +106,7 @@ def test_serve_reads_the_haproxy_settings_rayattn_sets_and_reports():
 def test_a_request_router_knows_its_deployment_and_the_pending_calls_arguments():
     from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
-    user = "rayattn/server/forwarding/pinning.py PinnedRequestRouter"
+    user = "rayattn/server/fleet/pinning.py PinnedRequestRouter"
     pins.source_says(RequestRouter.__init__, r"self\._deployment_id\s*=\s*deployment_id",
                      user=f"{user}.update_replicas (self._deployment_id)")
     pins.params(RequestRouter.choose_replicas, "candidate_replicas", "pending_request",
@@ -142,4 +142,4 @@ def test_a_handle_can_call_by_value_with_pickle():
 
     pins.params(DeploymentHandle.options, "stream", "_by_reference", "request_serialization",
                 "response_serialization",
-                user="rayattn/server/dispatch.py Dispatcher._stream_handle")
+                user="rayattn/server/forwarding/transport.py")
