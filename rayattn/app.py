@@ -18,6 +18,7 @@ from rayattn.config.plan import Plan, build_plan
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
+from rayattn.integrations import serve_private
 from rayattn.server.fleet.pinning import REQUEST_ROUTER
 from rayattn.server.http.api import Router
 
@@ -149,11 +150,10 @@ def deploy_config(serve_config: dict[str, Any]) -> None:
     Only this path
     gives Serve's lightweight updates: a changed router `user_config` reconfigures the
     running routers (imperative `serve.run` gives every deployment a new version)."""
-    from ray.serve._private.api import serve_start
     from ray.serve.schema import ServeDeploySchema
 
     schema = ServeDeploySchema.model_validate({"applications": serve_config["applications"]})
-    serve_start().deploy_apps(schema)
+    serve_private.deploy_apps(schema)
 
 
 def wait_running(app_name: str, timeout_s: float = 600) -> None:

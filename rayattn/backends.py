@@ -6,9 +6,10 @@ The facts come from the backend classes in vLLM (`get_supported_head_sizes`,
 builder's CUDA-graph support). The static table below holds them as vLLM `CATALOG_VLLM` has
 them, because ROCm and CUDA backends do not import on every build and `rayattn check` must run
 anywhere, vLLM or not. Where a vLLM in the supported range (rayattn.compat) is installed and a
-backend's class imports, `resolve` overlays the installed class's facts on the static entry, so
-a plan is checked against the vLLM that will run it. tests/unit/test_backends.py checks the
-static table against vLLM `CATALOG_VLLM` and the overlay against whatever is installed.
+backend's class imports, `resolve` overlays the installed class's facts (read by
+rayattn/integrations/vllm_backends.py) on the static entry, so a plan is checked against the
+vLLM that will run it. tests/unit/test_backends.py checks the static table against vLLM
+`CATALOG_VLLM` and the overlay against whatever is installed.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rayattn import compat
+from rayattn.integrations import vllm_backends
 
 CATALOG_VLLM = "0.32.0"
 """The vLLM whose backend classes the static facts below were copied from."""
@@ -221,7 +223,7 @@ def get(name: str) -> BackendSpec:
 def installed(spec: BackendSpec) -> BackendSpec:
     """`spec` with the facts of the installed vLLM's backend class where that class imports;
     the static entry unchanged where vLLM is absent or the class does not import here."""
-    facts = compat.backend_facts(spec.name)
+    facts = vllm_backends.backend_facts(spec.name)
     if not facts:
         return spec
     facts = {k: v for k, v in facts.items() if k != "kind"}  # kind is checked by the tests
@@ -232,7 +234,7 @@ def installed(spec: BackendSpec) -> BackendSpec:
 def missing_from_installed(name: str) -> bool:
     """True when a vLLM is installed and its AttentionBackendEnum lacks `name` (e.g. AMX_MLA
     and CPU_MLA are not in vLLM 0.25)."""
-    names = compat.installed_backend_names()
+    names = vllm_backends.installed_backend_names()
     return names is not None and name not in names
 
 

@@ -8,6 +8,7 @@ import sys
 
 from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
 from rayattn.config.plan import PlanError, build_plan, cpu_shortfall
+from rayattn.integrations import ray_private
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -67,10 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         problems = []
         if not os.environ.get("RAY_ADDRESS"):
             # `serve run` starts a Ray of this machine's CPUs, whose front door binds these.
-            from ray._private.utils import get_num_cpus
-
             problems = ports_held(config)
-            short = cpu_shortfall(apps, get_num_cpus())
+            short = cpu_shortfall(apps, ray_private.num_cpus())
             problems += [short] if short else []
     except (ConfigError, PlanError, OSError) as e:
         problems = [f"{args.config}: " + " ".join(str(e).split())]

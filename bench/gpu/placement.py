@@ -1,5 +1,5 @@
 """Placement on a multi-GPU node: rayattn with TP > 1 (DP1 × TP2 on 2 GPUs, DP2 × TP2 on 4),
-asserting from what the engines report (rayattn.compat's worker extension):
+asserting from what the engines report (rayattn.integrations.devices' worker extension):
   * each engine's workers run on distinct GPUs (and the DP ranks on disjoint sets);
   * every worker runs inside its replica's own placement group (vLLM's Ray executor reused
     the group Serve made from the plan's bundles; no second group, none pending).

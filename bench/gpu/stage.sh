@@ -62,8 +62,10 @@ if [ $worktree = 1 ]; then
     git status --short -- $paths; } > "$snap/SNAPSHOT.txt"
 else
   git archive HEAD $paths | tar -x -C "$snap"
-  own="rayattn/compat.py rayattn/backends.py rayattn/models/tiny.py deployments/h200.yaml
-       tests/unit/test_backends.py tests/unit/test_placement.py tests/unit/test_compat.py"
+  own="rayattn/compat.py rayattn/integrations/devices.py rayattn/integrations/vllm_backends.py
+       rayattn/backends.py rayattn/models/tiny.py deployments/h200.yaml
+       tests/unit/test_backends.py tests/unit/test_placement.py tests/unit/test_compat.py
+       tests/unit/integrations/test_devices.py"
   for f in $own; do cp "$f" "$snap/$f"; done
   { echo "snapshot of $(git rev-parse --short HEAD) + $(echo $own | wc -w) files of the GPU run, $(date -u +%FT%TZ)"
     git status --short -- $own; } > "$snap/SNAPSHOT.txt"

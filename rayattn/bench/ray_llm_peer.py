@@ -22,8 +22,8 @@ Serve LLM start: with `kv_aware` in the list every policy of the invocation runs
 Ray 2.60's KV-aware tokenizer imports `load_chat_template` from `vllm.entrypoints.chat_utils`,
 the module vLLM 0.29 (Ray's pin) had; vLLM 0.32 moved it to `vllm.renderers.chat_utils`
 unchanged. The rival's Ray workers get the old name back (`restore_moved_vllm_modules`, a
-worker setup hook; the module is loaded only where something imports it); nothing else of
-it is touched.
+worker setup hook, rayattn/integrations/patches.py; the module is loaded only where something
+imports it); nothing else of it is touched.
 
 The engines get the deployment's exact engine settings (the same `engine_kwargs` and
 environment as rayattn's and the `vllm serve` peer's).
@@ -31,17 +31,13 @@ environment as rayattn's and the `vllm serve` peer's).
 
 from __future__ import annotations
 
-import importlib
-import importlib.abc
-import importlib.machinery
 import importlib.util
 import os
-import sys
 import time
-from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from rayattn.config.plan import Plan
+from rayattn.integrations import patches
 
 if TYPE_CHECKING:
     from ray.serve.llm import LLMConfig
@@ -121,7 +117,8 @@ class RayServeLLMStack:
         # ingress and the prefix-tree actor need one each; the cores are the same two.
         # A cluster of its own ("local"), never one this machine happens to run.
         hook = {"runtime_env": {"worker_process_setup_hook":
-                                f"{__name__}.restore_moved_vllm_modules"}} if self.direct else {}
+                                f"{patches.__name__}.restore_moved_vllm_modules"}} \
+            if self.direct else {}
         ray.init(address="local", num_cpus=8, include_dashboard=False, **hook)
         serve.start(http_options={"host": "127.0.0.1", "port": self.port})
 
@@ -219,32 +216,3 @@ class RayServeLLMStack:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-_MOVED_MODULES = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
-"""Old name → where vLLM 0.32 has it, for Ray 2.60's KV-aware tokenizer (built for 0.29)."""
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Resolves a moved module's old name to its new module, only when imported under the
-    old name and only where the installed vLLM has no module there (consulted after the
-    regular finders)."""
-
-    def find_spec(self, name: str, path: Any = None,
-                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
-        if name not in _MOVED_MODULES:
-            return None
-        return importlib.util.spec_from_loader(name, self)
-
-    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
-        return importlib.import_module(_MOVED_MODULES[spec.name])
-
-    def exec_module(self, module: ModuleType) -> None:
-        pass  # the new module is already executed
-
-
-def restore_moved_vllm_modules() -> None:
-    """In each of the rival's Ray workers (a worker setup hook): vLLM modules that moved
-    since Ray 2.60's vLLM answer to their old names too."""
-    if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-        sys.meta_path.append(_MovedModuleFinder())

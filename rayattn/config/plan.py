@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rayattn import backends
+from rayattn import backends, compat
 from rayattn.config import kv_capacity
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
 from rayattn.config.schema import RayAttnConfig
+from rayattn.integrations.vllm_parsers import parser_names
 from rayattn.routing import policies
 
 _ROCM_ACCELERATORS = {"MI300X", "MI325X", "MI355X"}
@@ -285,11 +286,9 @@ def _check_frontend(m: Any) -> list[str]:
     """Parser names against the installed vLLM's registries (skipped without vLLM), and a
     chat template given as a path must exist (vLLM would take a mistyped path for a
     one-line template)."""
-    from rayattn import compat
-
     p = []
     for name_field, kind in (("reasoning_parser", "reasoning"), ("tool_call_parser", "tool")):
-        name, known = getattr(m, name_field), compat.parser_names(kind)
+        name, known = getattr(m, name_field), parser_names(kind)
         if name is not None and known is not None and name not in known:
             p.append(f"model.{name_field}: {name!r} is not a {kind} parser of the installed vLLM "
                      f"{compat.vllm_version()} (known: {', '.join(sorted(known))})")

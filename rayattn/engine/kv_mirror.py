@@ -22,7 +22,7 @@ from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from rayattn.compat import IPC_EVENT_MARK
+from rayattn.integrations.vllm_kv_events import IPC_EVENT_MARK
 from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
@@ -84,7 +84,7 @@ def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
 def private_ipc_endpoints() -> tuple[str, str, str]:
     """(directory, publisher, replay) for vLLM's event sockets: IPC files in a fresh
     directory that only this process's user may enter (mkdtemp makes it 0700). The names
-    let vLLM derive one pair per DP rank (compat.dp_rank_endpoint)."""
+    let vLLM derive one pair per DP rank (vllm_kv_events.dp_rank_endpoint)."""
     d = tempfile.mkdtemp(prefix="rayattn-kv-")
     return d, f"ipc://{d}/{IPC_EVENT_MARK}-pub", f"ipc://{d}/{IPC_EVENT_MARK}-replay"
 
@@ -250,7 +250,7 @@ class KVMirror:
                 batch = dec.decode(parts[2])
                 if getattr(batch, "data_parallel_rank", None) not in (None, self.rank):
                     # Another rank's publisher on this endpoint: the endpoints vLLM derives
-                    # per rank changed (compat.dp_rank_endpoint). Its blocks are not here.
+                    # per rank changed (vllm_kv_events.dp_rank_endpoint). Its blocks are not here.
                     log.error("KV mirror of DP rank %d got rank %s's events; dropped",
                               self.rank, batch.data_parallel_rank)
                     continue

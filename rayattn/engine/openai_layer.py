@@ -23,11 +23,12 @@ from pydantic import ValidationError
 from rayattn import compat
 from rayattn.engine import observed
 from rayattn.engine.protocol import OpenAIRequest, Reply
+from rayattn.integrations import patches, vllm_openai
 
 log = logging.getLogger("rayattn.engine")
 
 # The engine inputs the router rendered for the request this task serves (read by vLLM's
-# renderer, patched in compat.serve_rendered_prompts).
+# renderer, patched in integrations/patches.py: serve_rendered_prompts).
 _rendered: contextvars.ContextVar[list[dict[str, Any]] | None] = contextvars.ContextVar(
     "rayattn_rendered", default=None)
 
@@ -48,15 +49,15 @@ class OpenAILayer:
         # Render once: the router has rendered the prompt already (its block hashes come
         # from it), and rendering a long chat again here costs this process's event loop and
         # GIL, which also stream every running request's tokens.
-        self.takes_rendered = compat.serve_rendered_prompts(state, _rendered)
+        self.takes_rendered = patches.serve_rendered_prompts(state, _rendered)
 
     @classmethod
     async def create(cls, engine: Any, engine_kwargs: dict[str, Any],
                      frontend: dict[str, Any], identity: dict[str, Any], metrics: Any,
                      report: Callable[[int | None], dict[str, Any]],
                      tracing: Any = None) -> OpenAILayer:
-        args = compat.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
-        state = await compat.init_openai_state(observed.ObservedEngine(engine), args)
+        args = vllm_openai.frontend_namespace(engine_kwargs, frontend, engine.vllm_config)
+        state = await vllm_openai.init_openai_state(observed.ObservedEngine(engine), args)
         layer = cls(state, identity, metrics, report, tracing)
         layer.ranks = int(engine_kwargs.get("data_parallel_size", 1))
         return layer

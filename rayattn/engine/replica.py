@@ -32,6 +32,11 @@ from rayattn.engine.protocol import (
     RankInfo,
     Reply,
 )
+from rayattn.integrations import patches, serve_private
+from rayattn.integrations.devices import device_report_kwargs, engine_device_info
+from rayattn.integrations.vllm_engine import engine_args, engine_crash_types
+from rayattn.integrations.vllm_kv_events import dp_rank_endpoint
+from rayattn.integrations.vllm_openai import lora_modules
 
 log = logging.getLogger("rayattn.engine")
 
@@ -75,7 +80,7 @@ class EngineReplica:
         if self.metrics is not None:
             kwargs.update(compat.step_metrics_kwargs(self.metrics))
             loggers.append(make_step_logger_factory(self.metrics))
-        kwargs.update(compat.device_report_kwargs(cfg.platform.kind, kwargs))
+        kwargs.update(device_report_kwargs(cfg.platform.kind, kwargs))
         self.dp_ranks = int(kwargs.get("data_parallel_size", 1))
         self.kv_mirrors: list[KVMirror] = []
         """One per DP rank: each rank's scheduler publishes its own cache's events."""
@@ -94,11 +99,11 @@ class EngineReplica:
                 replay_endpoint=replay, topic=TOPIC)
             # The directory goes with rank 0's mirror, the last one closed.
             self.kv_mirrors = [
-                KVMirror(compat.dp_rank_endpoint(pub, r), compat.dp_rank_endpoint(replay, r),
+                KVMirror(dp_rank_endpoint(pub, r), dp_rank_endpoint(replay, r),
                          node_ip(), ipc_dir if r == 0 else None, rank=r)
                 for r in range(self.dp_ranks)]
         t0 = time.monotonic()
-        self.engine = AsyncLLM.from_engine_args(compat.engine_args(kwargs), stat_loggers=loggers)
+        self.engine = AsyncLLM.from_engine_args(engine_args(kwargs), stat_loggers=loggers)
         cache = self.engine.vllm_config.cache_config
         self._facts = {
             "replica": self.replica_id,
@@ -146,7 +151,7 @@ class EngineReplica:
         # Serve renumbers ranks 0..n-1 as replicas come and go: report the current one
         # (the metrics' dp_rank label keeps the rank this replica started with).
         self.rank = _serve_identity()[1]
-        devices = await compat.engine_device_info(self)
+        devices = await engine_device_info(self)
         adapters = (await self._openai()).adapters_served()
         report = self._inflight_report()
         # vLLM sums the ranks' capacities; the ranks are configured alike.
@@ -176,7 +181,7 @@ class EngineReplica:
 
                 ctx = serve.get_replica_context()
                 known = await asyncio.wait_for(
-                    compat.serve_autoscales(ctx.app_name, ctx.deployment), 2.0)
+                    serve_private.serve_autoscales(ctx.app_name, ctx.deployment), 2.0)
             except Exception:  # outside Serve, or the controller slow to answer
                 known = None
             if known is not None:
@@ -298,13 +303,16 @@ class EngineReplica:
 
                 frontend = frontend_kwargs(self.cfg)
                 if self.plan.adapters:
-                    frontend["lora_modules"] = compat.lora_modules(self.plan.adapters,
-                                                                   self.cfg.model.name)
+                    frontend["lora_modules"] = lora_modules(self.plan.adapters,
+                                                            self.cfg.model.name)
                 self._openai_layer = await OpenAILayer.create(
                     self.engine, self.plan.engine_kwargs, frontend,
                     {"engine": self.replica_id, "rank": self.rank,
                      "pid": os.getpid()},
                     self.metrics, self._inflight_report, self.tracing)
+                patches.log_applied(f"engine {self.replica_id}",
+                                    [patches.RENDER_ONCE]
+                                    if self._openai_layer.takes_rendered else [])
             return self._openai_layer
 
     async def models(self, target: str | None = None) -> dict[str, Any]:
@@ -342,7 +350,7 @@ class EngineReplica:
 AUTOSCALED_TTL_S = 5.0
 """A live change of the engine deployment's autoscaling bounds reaches routers within this
 (plus a probe period), while the controller is asked for this deployment's config once per
-replica per period (compat.serve_autoscales)."""
+replica per period (integrations/serve_private.py: serve_autoscales)."""
 
 DRAIN_MARGIN_S = 3.0
 """Of serve.graceful_shutdown_timeout_s, what the direct calls' drain leaves to Serve: its
@@ -361,7 +369,7 @@ def _loop_running() -> bool:
 def _classify(e: BaseException) -> wire.Raised:
     """An exception of this replica's `serve` as the direct transport carries it."""
     return wire.raised_of(e, compat.client_error_types(), (Misrouted, EngineDown),
-                          compat.engine_crash_types())
+                          engine_crash_types())
 
 
 def _serve_identity() -> tuple[str, int]:

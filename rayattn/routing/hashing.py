@@ -12,19 +12,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rayattn.integrations import vllm_hashing
+
 
 class BlockHasher:
     def __init__(self, block_size: int, algo: str = "sha256", seed: str = "0"):
-        from vllm.utils.hashing import get_hash_fn_by_name
-        from vllm.v1.core import kv_cache_utils
-
         self.block_size = block_size
-        self._hash_fn = get_hash_fn_by_name(algo)
+        self._hash_fn = vllm_hashing.hash_function(algo)
         # vLLM's first block chains from NONE_HASH = hash_fn(PYTHONHASHSEED of the engine).
         # We hold our own instead of vLLM's module global so several hashers (policies in
         # the simulator, tests) can coexist in one process.
         self._none_hash = self._hash_fn(seed)
-        self._hash_block = kv_cache_utils.hash_block_tokens
+        self._hash_block = vllm_hashing.block_hasher()
 
     def full_hashes(self, token_ids: Sequence[int], known: Sequence[bytes] = (),
                     salt: str | None = None,
@@ -34,14 +33,12 @@ class BlockHasher:
         only the new blocks are hashed. `salt` is the request's `cache_salt`, which vLLM
         hashes into the first block (and so, by chaining, into every block); `adapter`
         (name, path) its LoRA adapter, which vLLM hashes into every block."""
-        from rayattn import compat
-
         out: list[bytes] = list(known)
         parent = out[-1] if out else self._none_hash
         bs = self.block_size
         keyed = salt is not None or adapter is not None
         for start in range(len(out) * bs, len(token_ids) - bs + 1, bs):
-            extra = compat.block_extra_keys(salt, adapter, start == 0) if keyed else None
+            extra = vllm_hashing.block_extra_keys(salt, adapter, start == 0) if keyed else None
             parent = self._hash_block(self._hash_fn, parent, token_ids[start:start + bs], extra)
             out.append(parent)
         return out

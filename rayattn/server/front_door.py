@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Mapping, MutableMapping
 
 from rayattn.config.schema import RouterConfig
+from rayattn.integrations import serve_private
 
 DEFAULT_SESSION_HEADER: str = RouterConfig.model_fields["session_header"].default
 
@@ -85,18 +86,14 @@ def report(session_header: str) -> dict[str, str | None]:
     """How clients reach this router, as Serve in this Ray process decided at import:
     `mode` (`haproxy` or `serve_proxy`), HAProxy's `balance` (None without it), and a `note`
     where that is not the front door rayattn sets up (else None)."""
-    try:
-        from ray.serve._private import constants
-    except ImportError:  # pragma: no cover - Ray's layout moved
-        constants = None
+    enabled, balance = serve_private.haproxy_ingress()
     want = cluster_env(session_header)
-    if not getattr(constants, "RAY_SERVE_ENABLE_HA_PROXY", False):
+    if not enabled:
         return {"mode": "serve_proxy", "balance": None, "note": (
             "clients reach this router through Serve's Python HTTP proxy (a Ray call per "
             "request and per streamed chunk): start Ray with "
             + " ".join(f"{k}={v}" for k, v in want.items())
             + " for Serve's HAProxy ingress (rayattn/server/front_door.py)")}
-    balance = str(getattr(constants, "RAY_SERVE_HAPROXY_BALANCE_ALGORITHM", ""))
     hashed = want["RAY_SERVE_HAPROXY_BALANCE_ALGORITHM"]
     note = None if balance == hashed else (
         f"HAProxy picks routers by {balance!r}, not by this router's session header "

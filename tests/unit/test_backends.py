@@ -15,6 +15,7 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum
 from rayattn import backends, compat
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
+from rayattn.integrations import vllm_backends
 
 SEEDS = ["TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "TRITON_MLA",
          "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"]
@@ -111,8 +112,8 @@ def test_resolved_facts_are_installed_vllms(name):
 def test_static_table_without_vllm(monkeypatch):
     """No vLLM (a laptop rendering manifests): the static table, and `rayattn check` works."""
     monkeypatch.setattr(compat, "vllm_version", lambda: None)
-    monkeypatch.setattr(compat, "installed_backend_names", lambda: None)
-    monkeypatch.setattr(compat, "backend_facts", lambda name: None)
+    monkeypatch.setattr(vllm_backends, "installed_backend_names", lambda: None)
+    monkeypatch.setattr(vllm_backends, "backend_facts", lambda name: None)
     spec, reason = backends.resolve("FLASHMLA", "cuda", "mla")
     assert spec == backends.CATALOG["FLASHMLA"]
     assert "static table" in reason and "not a backend" not in reason
@@ -125,8 +126,9 @@ def test_static_table_without_vllm(monkeypatch):
 def test_missing_backend_is_named_in_the_plan(monkeypatch):
     """A catalogued backend the installed vLLM lacks is said so (not rejected: the config may
     be for another machine's vLLM)."""
-    monkeypatch.setattr(compat, "installed_backend_names", lambda: frozenset({"TRITON_ATTN"}))
-    monkeypatch.setattr(compat, "backend_facts", lambda name: None)
+    monkeypatch.setattr(vllm_backends, "installed_backend_names",
+                        lambda: frozenset({"TRITON_ATTN"}))
+    monkeypatch.setattr(vllm_backends, "backend_facts", lambda name: None)
     _, reason = backends.resolve("FLASH_ATTN", "cuda", "mha")
     assert "not a backend of the installed vLLM" in reason
 
@@ -138,12 +140,12 @@ def test_installed_facts_decide_the_check(monkeypatch):
                 "is_mla": True, "num_attention_heads": 16, "head_dim": 512}},
             "platform": {"kind": "cuda", "gpus_per_node": 8},
             "attention": {"backend": "FLASHMLA"}}
-    monkeypatch.setattr(compat, "backend_facts", lambda name: None)
+    monkeypatch.setattr(vllm_backends, "backend_facts", lambda name: None)
     assert build_plan(parse_args(args)).backend.name == "FLASHMLA"
     facts = {"kind": "mla", "supports_sinks": False, "head_sizes": (320, 576),
              "block_sizes": (64,), "block_size_multiple": None,
              "kv_dtypes": ("auto", "bfloat16")}
-    monkeypatch.setattr(compat, "backend_facts", lambda name: facts)
+    monkeypatch.setattr(vllm_backends, "backend_facts", lambda name: facts)
     monkeypatch.setattr(compat, "vllm_version", lambda: "0.25.0")
     with pytest.raises(ValueError, match="head sizes \\[320, 576\\]"):
         build_plan(parse_args(args))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import types
 
@@ -52,66 +51,6 @@ def test_flashinfer_sampler_env(monkeypatch):
     assert compat.engine_env_defaults("cuda") == {}
 
 
-def test_device_report_kwargs():
-    assert compat.device_report_kwargs("cpu", {}) == {}
-    kw = compat.device_report_kwargs("cuda", {})
-    assert kw == {"worker_extension_cls": "rayattn.compat.DeviceReportExtension"}
-    assert compat.device_report_kwargs("rocm", {"worker_extension_cls": "my.Ext"}) == {}
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
-    assert "worker_extension_cls" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-
-
-def test_extension_does_not_clash_with_vllm_workers():
-    # vLLM refuses an extension whose attributes the worker class already has.
-    from vllm.v1.worker.worker_base import WorkerBase
-
-    for attr in dir(compat.DeviceReportExtension):
-        if not attr.startswith("__"):
-            assert not hasattr(WorkerBase, attr), attr
-    info = compat.DeviceReportExtension().rayattn_device_info()
-    assert info["uuid"] is None and info["placement_group"] is None
-
-
-class _Engine:
-    def __init__(self, workers=None, fail=False):
-        self.workers, self.fail, self.calls = workers, fail, 0
-
-    async def collective_rpc(self, method):
-        self.calls += 1
-        assert method == "rayattn_device_info"
-        if self.fail:
-            raise RuntimeError("no such method")
-        return self.workers
-
-
-def _replica(platform, engine):
-    from rayattn.config.schema import ParallelismConfig
-
-    cfg = types.SimpleNamespace(platform=types.SimpleNamespace(kind=platform),
-                                parallelism=ParallelismConfig())
-    return types.SimpleNamespace(cfg=cfg, engine=engine)
-
-
-# Plain asyncio.run: these also run where pytest-asyncio is absent (the GPU machine).
-def test_engine_device_info_reports_worker_uuids_once():
-    eng = _Engine([{"uuid": "GPU-a", "placement_group": "pg1"},
-                   {"uuid": "GPU-b", "placement_group": "pg1"}])
-    rep = _replica("cuda", eng)
-    out = asyncio.run(compat.engine_device_info(rep))
-    assert out["devices"] == ["GPU-a", "GPU-b"]
-    assert out["worker_placement_groups"] == ["pg1", "pg1"]
-    assert asyncio.run(compat.engine_device_info(rep)) is out and eng.calls == 1
-
-
-def test_engine_device_info_on_cpu_and_on_failure():
-    eng = _Engine(fail=True)
-    assert asyncio.run(compat.engine_device_info(_replica("cpu", eng)))["devices"] == []
-    assert eng.calls == 0
-    out = asyncio.run(compat.engine_device_info(_replica("cuda", eng)))
-    assert isinstance(out["devices"], list) and eng.calls == 1
-
-
 def test_tcpstore_port_window_per_ray_executor_engine(monkeypatch):
     """vLLM 0.25: every TP > 1 engine of a node probed TCPStore port 100 (DP2 × TP2 on
     4 × H200 failed with EADDRINUSE); each such engine gets its own window."""
@@ -137,40 +76,3 @@ def test_tcpstore_port_race_probe_matches_installed_vllm():
 
     compat.tcpstore_port_race.cache_clear()
     assert compat.tcpstore_port_race() == hasattr(RayExecutorV2, "_select_tcpstore_port")
-
-
-class _Controller:
-    """Serve's controller as compat.serve_autoscales calls it (one deployment's config)."""
-
-    def __init__(self, configs: dict | Exception) -> None:
-        self.configs, self.asked = configs, []
-
-        async def remote(deployment_id):
-            self.asked.append(deployment_id)
-            if isinstance(self.configs, Exception):
-                raise self.configs
-            return self.configs.get((deployment_id.app_name, deployment_id.name))
-
-        self.get_deployment_config = type("Method", (), {"remote": staticmethod(remote)})
-
-
-def test_serve_autoscales_reads_one_deployments_config(monkeypatch):
-    # Plain asyncio.run: the GPU image's pytest has no asyncio plugin.
-    from ray.serve._private.config import DeploymentConfig
-
-    def config(**auto):
-        return DeploymentConfig(autoscaling_config=auto or None,
-                                num_replicas=None if auto else 2)
-
-    ctl = _Controller({("app", "elastic"): config(min_replicas=1, max_replicas=3),
-                       ("app", "pinned"): config(min_replicas=2, max_replicas=2),
-                       ("app", "fixed"): config()})
-    monkeypatch.setattr(compat, "_serve_controller", lambda: ctl)
-    assert asyncio.run(compat.serve_autoscales("app", "elastic")) is True
-    assert asyncio.run(compat.serve_autoscales("app", "pinned")) is False  # bounds equal
-    assert asyncio.run(compat.serve_autoscales("app", "fixed")) is False
-    assert asyncio.run(compat.serve_autoscales("app", "gone")) is None  # no answer, not "no"
-    assert [(d.app_name, d.name) for d in ctl.asked] == [
-        ("app", "elastic"), ("app", "pinned"), ("app", "fixed"), ("app", "gone")]
-    monkeypatch.setattr(compat, "_serve_controller", lambda: _Controller(RuntimeError("down")))
-    assert asyncio.run(compat.serve_autoscales("app", "elastic")) is None

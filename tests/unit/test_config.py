@@ -14,6 +14,8 @@ from rayattn.cli import main
 from rayattn.config.loader import ConfigError, parse_args
 from rayattn.config.plan import PlanError, build_plan
 from rayattn.config.schema import KVCacheDType, PrefixCachingHashAlgo
+from rayattn.integrations.vllm_engine import config_objects
+from rayattn.integrations.vllm_parsers import parser_names
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOYMENTS = sorted((ROOT / "deployments").glob("*.yaml"))
@@ -267,12 +269,10 @@ def test_every_field_is_documented():
 def test_parser_registries_are_read_without_importing_vllm():
     import sys
 
-    from rayattn import compat
-
     loaded = "vllm.reasoning" in sys.modules
-    names = compat.parser_names("reasoning")
+    names = parser_names("reasoning")
     assert {"deepseek_r1", "qwen3"} <= names
-    assert {"hermes", "deepseek_v3"} <= compat.parser_names("tool")
+    assert {"hermes", "deepseek_v3"} <= parser_names("tool")
     assert ("vllm.reasoning" in sys.modules) == loaded
 
 
@@ -332,9 +332,7 @@ def test_kv_offload_becomes_vllms_offloading_with_tier_events():
     assert "host 16 GiB per engine" in plan.describe()
     # 16 layers × 8 KV heads × 64 dims × K,V × bf16 = 32 KiB a token: 16 GiB hold 524,288.
     assert plan.kv_bytes_per_token == 32768 and "524,288 tokens" in plan.describe()
-    from rayattn import compat
-
-    kt = compat.config_objects(kw)["kv_transfer_config"]  # the installed vLLM's object
+    kt = config_objects(kw)["kv_transfer_config"]  # the installed vLLM's object
     assert kt.kv_connector_extra_config["self_describing_kv_events"] and kt.is_kv_producer
     args["engine"]["kv_offload"] = {"size_gib": 0}
     assert "kv_offloading_size" not in build_plan(parse_args(args)).engine_kwargs

@@ -12,6 +12,7 @@ import pytest
 
 from rayattn.config.schema import RouterConfig
 from rayattn.engine.kv_mirror import CLEARED_TOPIC, KVMirror, private_ipc_endpoints
+from rayattn.integrations.vllm_kv_events import dp_rank_endpoint
 from rayattn.routing.core import RoutingCore
 from rayattn.routing.prefix_index import EventIndex
 from rayattn.server.fleet.kv_feeds import KVFeeds
@@ -171,11 +172,10 @@ def test_each_dp_rank_of_an_engine_is_followed_as_a_target_of_its_own():
     mirror each in the replica, and a router whose targets are the two ranks."""
     from vllm.distributed.kv_events import ZmqEventPublisher
 
-    from rayattn import compat
     from rayattn.routing.targets import targets
 
     ipc_dir, pub_ep, replay_ep = private_ipc_endpoints()
-    eps = [(compat.dp_rank_endpoint(pub_ep, r), compat.dp_rank_endpoint(replay_ep, r))
+    eps = [(dp_rank_endpoint(pub_ep, r), dp_rank_endpoint(replay_ep, r))
            for r in range(2)]
     assert eps[0] == (pub_ep, replay_ep) and len({e for pair in eps for e in pair}) == 4
     # Constructed as vLLM's scheduler of each rank constructs it: the configured endpoints

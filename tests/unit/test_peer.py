@@ -9,6 +9,7 @@ import yaml
 from rayattn.bench.peer import serve_flags
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
+from rayattn.integrations.patches import MovedModuleFinder, restore_moved_vllm_modules
 from tests.conftest import ROOT
 
 
@@ -95,14 +96,12 @@ def test_the_rivals_workers_find_moved_vllm_modules_under_their_old_names():
     import importlib
     import sys
 
-    from rayattn.bench.ray_llm_peer import _MovedModuleFinder, restore_moved_vllm_modules
-
     old = "vllm.entrypoints.chat_utils"
     before = list(sys.meta_path)
     try:
         restore_moved_vllm_modules()
         restore_moved_vllm_modules()  # once per process, however often the hook runs
-        assert sum(isinstance(f, _MovedModuleFinder) for f in sys.meta_path) == 1
+        assert sum(isinstance(f, MovedModuleFinder) for f in sys.meta_path) == 1
         chat_utils = importlib.import_module(old)
         assert callable(chat_utils.load_chat_template)
         assert importlib.util.find_spec("vllm.entrypoints.no_such_module") is None

@@ -8,6 +8,7 @@ import contextvars
 from types import SimpleNamespace
 
 from rayattn.config.schema import RouterConfig
+from rayattn.integrations import patches
 from rayattn.server.prompts.rendering import _reusable
 
 
@@ -41,13 +42,11 @@ class _Renderer:
 
 
 def test_the_engine_serves_given_inputs_and_renders_the_rest():
-    from rayattn import compat
-
     r = _Renderer()
     state = SimpleNamespace(openai_serving_chat=SimpleNamespace(online_renderer=r),
                             openai_serving_completion=SimpleNamespace(online_renderer=r))
     given: contextvars.ContextVar = contextvars.ContextVar("given", default=None)
-    assert compat.serve_rendered_prompts(state, given)
+    assert patches.serve_rendered_prompts(state, given)
     mine = [{"type": "token", "prompt_token_ids": [1, 2]}]
 
     async def go():
@@ -65,11 +64,9 @@ def test_the_engine_serves_given_inputs_and_renders_the_rest():
 
 
 def test_serving_objects_without_the_renderer_hook_render_everything():
-    from rayattn import compat
-
     state = SimpleNamespace(openai_serving_chat=SimpleNamespace(),
                             openai_serving_completion=None)
-    assert not compat.serve_rendered_prompts(state, contextvars.ContextVar("g", default=None))
+    assert not patches.serve_rendered_prompts(state, contextvars.ContextVar("g", default=None))
 
 
 def test_stream_chunks_coarsen_with_the_streams_in_flight():

@@ -26,9 +26,9 @@ from typing import Any, Literal
 import aiohttp
 from ray import exceptions as ray_exc
 
-from rayattn import compat
 from rayattn.engine import wire
 from rayattn.engine.protocol import EngineDown, EngineInfo, Misrouted
+from rayattn.integrations.vllm_engine import engine_crash_types
 from rayattn.server.background import detached
 from rayattn.server.fleet.pinning import Membership, PinnedHandle
 
@@ -75,7 +75,7 @@ def failure(e: BaseException) -> Failure:
     if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
         return "replica_died"
-    return "engine_crashed" if isinstance(e, compat.engine_crash_types()) else "request"
+    return "engine_crashed" if isinstance(e, engine_crash_types()) else "request"
 
 
 def engine_dead(e: BaseException) -> bool:

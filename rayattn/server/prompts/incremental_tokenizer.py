@@ -29,6 +29,7 @@ from array import array
 from collections import OrderedDict
 from typing import Any
 
+from rayattn.integrations import patches
 from rayattn.server.prompts import parallel_tokenizing
 
 log = logging.getLogger("rayattn.router")
@@ -169,7 +170,8 @@ def _plain(kwargs: dict[str, Any]) -> bool:
 
 
 def install(tokenizer: Any) -> Counts | None:
-    """Make `tokenizer` (vLLM's renderer's, in this process) reuse prompt heads, in place.
+    """Make `tokenizer` (vLLM's renderer's, in this process) reuse prompt heads, in place
+    (a class swap: the run-time patch `incremental_tokenizer`, rayattn/integrations/patches.py).
     Returns its counters, or None where the identity does not hold (nothing changed)."""
     if not callable(tokenizer):
         return None
@@ -231,8 +233,7 @@ def install(tokenizer: Any) -> Counts | None:
             heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
         return _encoding(ids)
 
-    layer = type(f"IncrementallyTokenizing{base.__name__}", (base,), {"__call__": __call__})
-    tokenizer.__class__ = layer
+    patches.swap_tokenizer_call(tokenizer, __call__)
     return counts
 
 

@@ -17,6 +17,8 @@ from typing import Any
 from rayattn import compat
 from rayattn.config.plan import frontend_kwargs
 from rayattn.config.schema import RayAttnConfig
+from rayattn.integrations import patches
+from rayattn.integrations.vllm_renderer import prompt_token_ids, render_state
 from rayattn.server.prompts import incremental_tokenizer
 from rayattn.server.prompts.parallel_tokenizing import process_cores
 
@@ -59,10 +61,14 @@ class PromptRenderer:
     @classmethod
     async def create(cls, cfg: RayAttnConfig, engine_kwargs: dict[str, Any]) -> PromptRenderer:
         threads = cfg.serve.router_render_threads or min(4, process_cores())
-        state = await compat.render_state({**engine_kwargs, **compat.renderer_threads(threads)},
-                                          frontend_kwargs(cfg))
+        state = await render_state({**engine_kwargs, **compat.renderer_threads(threads)},
+                                   frontend_kwargs(cfg))
         # Off the event loop: installing the tokenizer layers self-tests them (~0.5 s).
-        return await asyncio.to_thread(cls, state.online_renderer)
+        renderer = await asyncio.to_thread(cls, state.online_renderer)
+        patches.log_applied(f"router, renderer of {cfg.model.name}",
+                            [patches.INCREMENTAL_TOKENIZER]
+                            if renderer.incremental is not None else [])
+        return renderer
 
     @property
     def tokenizer(self) -> Any:
@@ -89,7 +95,7 @@ class PromptRenderer:
             p = request.prompt
             text = p if isinstance(p, str) else (p[0] if p and isinstance(p[0], str) else "")
             reusable = not request.echo
-        return Rendered(compat.prompt_token_ids(inputs[0]) if inputs else [], text,
+        return Rendered(prompt_token_ids(inputs[0]) if inputs else [], text,
                         _reusable(inputs) if reusable else None)
 
 
@@ -105,7 +111,7 @@ class PromptRenderer:
         if isinstance(out, compat.openai_model("error")):
             return out
         text = request.input if isinstance(request.input, str) else ""
-        return Rendered(compat.prompt_token_ids(out.engine_input), text, None)
+        return Rendered(prompt_token_ids(out.engine_input), text, None)
 
 
 def _text(content: Any) -> str:

@@ -1,0 +1,142 @@
+"""Every run-time patch rayattn makes to a library, in one place: what it changes, why, and
+where it is applied. Each application site logs one INFO line of what it applied
+(`log_applied`): an engine replica when it builds its serving layer, a router when it builds a
+model's renderer, a benchmark rival's Ray worker when its setup hook runs.
+
+Not patches (documented extension points, nothing of the library changed): the device report
+(vLLM's `worker_extension_cls`, devices.py), the engine replica's Serve request router
+(rayattn/server/fleet/pinning.py), environment variables set before an engine or Ray starts
+(rayattn/compat.py, rayattn/cluster_env.py).
+
+Module-level imports are standard library only: Ray workers import this module (a setup hook).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from types import ModuleType
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    name: str
+    target: str
+    """What in which library it changes."""
+    why: str
+    where: str
+    """Where rayattn applies it."""
+
+
+RENDER_ONCE = Patch(
+    "render_once",
+    "vLLM's OnlineRenderer.render_chat / render_completion, on the engine's own serving "
+    "objects' renderer (instance attributes)",
+    "the engine serves the prompt the router already rendered (its block hashes came from "
+    "it) instead of rendering the body again on its event loop",
+    "engine replica, building its OpenAI layer (rayattn/engine/openai_layer.py)")
+INCREMENTAL_TOKENIZER = Patch(
+    "incremental_tokenizer",
+    "the router renderer's transformers tokenizer: its __class__ swapped for a subclass "
+    "whose __call__ reuses the ids of earlier prompts' heads",
+    "a conversation's next turn tokenizes only its new text (identical ids, self-tested)",
+    "router, building a model's renderer (rayattn/server/prompts/incremental_tokenizer.py)")
+MOVED_VLLM_MODULES = Patch(
+    "moved_vllm_modules",
+    "sys.meta_path: a finder that imports vllm.entrypoints.chat_utils as "
+    "vllm.renderers.chat_utils",
+    "Ray 2.60's KV-aware tokenizer imports vLLM 0.29's module name, which vLLM 0.32 moved "
+    "unchanged",
+    "the benchmark rival's Ray workers (worker_process_setup_hook, "
+    "rayattn/bench/ray_llm_peer.py)")
+
+PATCHES = (RENDER_ONCE, INCREMENTAL_TOKENIZER, MOVED_VLLM_MODULES)
+
+
+def log_applied(where: str, applied: Iterable[Patch]) -> None:
+    """One INFO line: the run-time patches `where` (an engine, a router's model) applied."""
+    names = [f"{p.name} ({p.target})" for p in applied]
+    log.info("%s: run-time library patches applied: %s", where, "; ".join(names) or "none")
+
+
+# --- render_once ----------------------------------------------------------------------------
+def serve_rendered_prompts(state: Any, given: Any) -> bool:
+    """RENDER_ONCE. Make the engine's serving layer take prompts the router already rendered:
+    while the context variable `given` holds a request's engine inputs, vLLM's OnlineRenderer
+    returns them instead of rendering the body again (a request without them renders as
+    usual). Everything else in the serving layer (model check, sampling parameters,
+    streaming, parsers of the output) stays vLLM's. False where the installed vLLM's serving
+    objects render through something else: the engine then renders every request itself."""
+    renderers = {id(r): r for s in (state.openai_serving_chat,
+                                    getattr(state, "openai_serving_completion", None))
+                 if s is not None and (r := getattr(s, "online_renderer", None)) is not None}
+    ok = bool(renderers)
+    for r in renderers.values():
+        chat, completion = getattr(r, "render_chat", None), getattr(r, "render_completion", None)
+        if chat is None or completion is None:
+            ok = False
+            continue
+
+        async def render_chat(request: Any, *a: Any, _orig: Any = chat, **kw: Any) -> Any:
+            inputs = given.get()
+            # The conversation is only read to echo the last message; echo is never rendered
+            # by the router (server/prompts/rendering.py).
+            return ([], inputs) if inputs is not None else await _orig(request, *a, **kw)
+
+        async def render_completion(request: Any, *a: Any, _orig: Any = completion,
+                                    **kw: Any) -> Any:
+            inputs = given.get()
+            return inputs if inputs is not None else await _orig(request, *a, **kw)
+
+        r.render_chat, r.render_completion = render_chat, render_completion
+    return ok
+
+
+# --- incremental_tokenizer ------------------------------------------------------------------
+def swap_tokenizer_call(tokenizer: Any, call: Callable[..., Any]) -> None:
+    """INCREMENTAL_TOKENIZER. `tokenizer` becomes an instance of a subclass of its own class
+    whose __call__ is `call` (a class swap: its class and every other tokenizer keep theirs;
+    `call` reaches the original as `type(tokenizer).__call__` taken before the swap)."""
+    base = type(tokenizer)
+    layer = type(f"IncrementallyTokenizing{base.__name__}", (base,), {"__call__": call})
+    tokenizer.__class__ = layer
+
+
+# --- moved_vllm_modules ---------------------------------------------------------------------
+MOVED_MODULES = {"vllm.entrypoints.chat_utils": "vllm.renderers.chat_utils"}
+"""Old name → where vLLM 0.32 has it, for Ray 2.60's KV-aware tokenizer (built for 0.29)."""
+
+
+class MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves a moved module's old name to its new module, only when imported under the
+    old name and only where the installed vLLM has no module there (consulted after the
+    regular finders)."""
+
+    def find_spec(self, name: str, path: Any = None,
+                  target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if name not in MOVED_MODULES:
+            return None
+        return importlib.util.spec_from_loader(name, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: ModuleType) -> None:
+        pass  # the new module is already executed
+
+
+def restore_moved_vllm_modules() -> None:
+    """MOVED_VLLM_MODULES. In each of the rival's Ray workers (a worker setup hook): vLLM
+    modules that moved since Ray 2.60's vLLM answer to their old names too."""
+    if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
+        sys.meta_path.append(MovedModuleFinder())
+        log_applied("Ray Serve LLM worker (benchmark rival)", [MOVED_VLLM_MODULES])

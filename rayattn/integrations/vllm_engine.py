@@ -1,0 +1,43 @@
+"""vLLM's engine surface as rayattn uses it: engine arguments (AsyncEngineArgs) from the plan's
+keyword arguments, the config objects they hold, and what vLLM raises when its engine dies."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+
+def engine_args(engine_kwargs: dict[str, Any]) -> Any:
+    """vLLM's AsyncEngineArgs from rayattn's engine arguments."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(**config_objects(engine_kwargs))
+
+
+def config_objects(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Config sections given as mappings (engine.extra_engine_kwargs in YAML, the plan's
+    kv_transfer_config) as vLLM's config objects, where AsyncEngineArgs does not convert
+    them itself."""
+    kw = dict(engine_kwargs)
+    so = kw.get("structured_outputs_config")
+    if isinstance(so, dict):
+        from vllm.config import StructuredOutputsConfig
+
+        kw["structured_outputs_config"] = StructuredOutputsConfig(**so)
+    kt = kw.get("kv_transfer_config")
+    if isinstance(kt, dict):
+        from vllm.config import KVTransferConfig
+
+        kw["kv_transfer_config"] = KVTransferConfig(**kt)
+    return kw
+
+
+@functools.cache
+def engine_crash_types() -> tuple[type[BaseException], ...]:
+    """What vLLM raises to the requests it was running when its engine died (empty where
+    its layout differs)."""
+    try:
+        from vllm.v1.engine.exceptions import EngineDeadError
+    except ImportError:  # pragma: no cover - vLLM layout differs
+        return ()
+    return (EngineDeadError,)

@@ -1,0 +1,159 @@
+"""rayattn/integrations/patches.py: every run-time patch of a library is registered there,
+applied only from there, and logged in one INFO line where it is applied."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import logging
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rayattn.integrations import patches
+
+PACKAGE = Path(patches.__file__).resolve().parents[1]
+LIBRARIES = ("vllm", "ray", "transformers", "tokenizers", "starlette", "fastapi")
+
+
+@pytest.fixture(autouse=True)
+def _caplog_sees_rayattn(monkeypatch):
+    # rayattn/logs.py stops rayattn's records at its own handler in a Ray process.
+    monkeypatch.setattr(logging.getLogger("rayattn"), "propagate", True)
+
+
+def test_the_registry_says_what_why_and_where():
+    names = [p.name for p in patches.PATCHES]
+    assert len(names) == len(set(names))
+    for p in patches.PATCHES:
+        assert p.target and p.why and p.where, p
+
+
+def _library_modules(tree: ast.AST) -> set[str]:
+    """Names bound to library modules by the file's imports (`import ray`, `from ray import
+    serve`, `from vllm.x import y as z`)."""
+    out = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out |= {(a.asname or a.name).split(".")[0] for a in node.names
+                    if a.name.split(".")[0] in LIBRARIES}
+        elif isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.split(".")[0] in LIBRARIES:
+            out |= {a.asname or a.name for a in node.names}
+    return out
+
+
+def _root(node: ast.AST) -> str | None:
+    while isinstance(node, ast.Attribute):
+        node = node.value
+    return node.id if isinstance(node, ast.Name) else None
+
+
+def test_no_library_is_patched_outside_the_registry():
+    """Class swaps, import-system hooks and assignments into a library's modules or classes
+    happen in patches.py only."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == Path(patches.__file__).resolve():
+            continue
+        tree = ast.parse(path.read_text())
+        libraries = _library_modules(tree)
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(tree):
+            targets = node.targets if isinstance(node, ast.Assign) else (
+                [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else [])
+            for t in targets:
+                for el in (t.elts if isinstance(t, ast.Tuple) else [t]):
+                    if isinstance(el, ast.Attribute) and (
+                            el.attr == "__class__" or _root(el) in libraries):
+                        found.append(f"{where}:{node.lineno} assigns {ast.unparse(el)}")
+            if isinstance(node, ast.Attribute) and node.attr == "meta_path":
+                found.append(f"{where}:{node.lineno} touches sys.meta_path")
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+                    node.func.id == "setattr" and node.args and _root(node.args[0]) in libraries:
+                found.append(f"{where}:{node.lineno} {ast.unparse(node)}")
+    assert found == []
+
+
+def test_one_info_line_names_what_was_applied(caplog):
+    with caplog.at_level(logging.INFO, logger="rayattn"):
+        patches.log_applied("engine e1", [patches.RENDER_ONCE])
+        patches.log_applied("router, renderer of m", [])
+    lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+    assert len(lines) == 2
+    assert lines[0].startswith("engine e1: run-time library patches applied: render_once (")
+    assert lines[1] == "router, renderer of m: run-time library patches applied: none"
+
+
+def test_the_class_swap_changes_one_tokenizer_only():
+    class Tok:
+        def __call__(self, text):
+            return "plain"
+
+    base = Tok.__call__
+    one, other = Tok(), Tok()
+    patches.swap_tokenizer_call(one, lambda self, text: "layered " + base(self, text))
+    assert one("x") == "layered plain" and other("x") == "plain"
+    assert isinstance(one, Tok) and type(one).__name__ == "IncrementallyTokenizingTok"
+    assert type(other) is Tok
+
+
+def test_the_rivals_hook_applies_and_logs_once(caplog):
+    before = list(sys.meta_path)
+    try:
+        sys.meta_path[:] = [f for f in sys.meta_path
+                            if not isinstance(f, patches.MovedModuleFinder)]
+        with caplog.at_level(logging.INFO, logger="rayattn"):
+            patches.restore_moved_vllm_modules()
+            patches.restore_moved_vllm_modules()
+        lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+        assert len(lines) == 1 and "moved_vllm_modules" in lines[0]
+    finally:
+        sys.meta_path[:] = before
+
+
+def test_the_router_logs_its_renderers_patches_once(monkeypatch, caplog):
+    from rayattn.server.prompts import rendering
+
+    async def render_state(engine_kwargs, frontend):
+        tokenizer = object()  # not callable: the incremental layer stays off
+        return SimpleNamespace(online_renderer=SimpleNamespace(
+            parser=None, renderer=SimpleNamespace(tokenizer=tokenizer)))
+
+    monkeypatch.setattr(rendering, "render_state", render_state)
+    monkeypatch.setattr(rendering, "frontend_kwargs", lambda cfg: {})
+    cfg = SimpleNamespace(serve=SimpleNamespace(router_render_threads=1),
+                          model=SimpleNamespace(name="m"))
+    with caplog.at_level(logging.INFO, logger="rayattn"):
+        r = asyncio.run(rendering.PromptRenderer.create(cfg, {}))
+    assert r.incremental is None
+    lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+    assert lines == ["router, renderer of m: run-time library patches applied: none"]
+
+
+@pytest.mark.parametrize("takes_rendered", [True, False])
+def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
+        monkeypatch, caplog, takes_rendered):
+    from rayattn.config import plan
+    from rayattn.engine import openai_layer
+    from rayattn.engine.replica import EngineReplica
+
+    layer = SimpleNamespace(takes_rendered=takes_rendered)
+
+    async def create(*args, **kwargs):
+        return layer
+
+    monkeypatch.setattr(openai_layer.OpenAILayer, "create", create)
+    monkeypatch.setattr(plan, "frontend_kwargs", lambda cfg: {})
+    replica = SimpleNamespace(
+        _openai_layer=None, _openai_lock=asyncio.Lock(), cfg=None, engine=None,
+        plan=SimpleNamespace(adapters={}, engine_kwargs={}), replica_id="engine-1", rank=0,
+        metrics=None, _inflight_report=None, tracing=None)
+    with caplog.at_level(logging.INFO, logger="rayattn"):
+        assert asyncio.run(EngineReplica._openai(replica)) is layer
+        assert asyncio.run(EngineReplica._openai(replica)) is layer
+    lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
+    assert len(lines) == 1 and lines[0].startswith("engine engine-1: ")
+    assert ("render_once" in lines[0]) == takes_rendered

@@ -1,0 +1,48 @@
+"""Pins: the private and experimental parts of Ray Serve LLM that the benchmark's rival stack
+uses (rayattn/bench/ray_llm_peer.py)."""
+
+from __future__ import annotations
+
+import importlib
+
+from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
+from tests.unit.integrations import pins
+
+USER = "rayattn/bench/ray_llm_peer.py"
+
+
+def test_every_rival_policy_names_an_importable_router():
+    for policy, path in RAY_LLM_POLICIES.items():
+        module, _, name = path.replace(":", ".").rpartition(".")
+        assert hasattr(importlib.import_module(module), name), (
+            f"{pins.version('ray')}: no {path} any more; {USER} policy {policy} names it")
+
+
+def test_direct_streaming_and_broadcast_are_where_the_rival_finds_them():
+    from ray.llm._internal.serve import constants
+    from ray.llm._internal.serve.utils.broadcast import broadcast
+
+    pins.attrs(constants, "RAY_SERVE_LLM_ENABLE_DIRECT_STREAMING",
+               user=f"{USER} RayServeLLMStack.start")
+    pins.params(broadcast, "handle", "method_name", leading=True,
+                user=f"{USER} RayServeLLMStack.reset_caches")
+    from ray.serve._private import constants as serve_constants
+
+    pins.attrs(serve_constants, "RAY_SERVE_INGRESS_REQUEST_ROUTER_FORWARD_BODY",
+               user=f"{USER} DIRECT_STREAMING_ENV")
+
+
+def test_the_prefix_tree_actor_is_named_and_empties_as_the_rival_expects():
+    from ray.llm._internal.serve.routing_policies.prefix_aware import (
+        prefix_aware_router,
+        prefix_tree,
+    )
+
+    user = f"{USER} RayServeLLMStack.reset_caches"
+    pins.source_says(prefix_aware_router, r'actor_name = "LlmPrefixTreeActor"',
+                     r"PrefixTreeActor\.options\(", user=user)
+    pins.attrs(prefix_tree.PrefixTree, "remove_tenants", "add_tenants", user=user)
+    pins.source_says(prefix_tree.PrefixTree.__init__, r"self\.tenant_to_char_count\b",
+                     user=user)
+    pins.source_says(prefix_tree, r"class PrefixTreeActor\(PrefixTree\): .*def getattr\(self, ",
+                     user=user)
