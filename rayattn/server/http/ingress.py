@@ -25,6 +25,7 @@ from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
 from rayattn.server import front_door
 from rayattn.server.dispatch import Dispatcher, Gates, Slot
+from rayattn.server.http.body import read_object
 from rayattn.server.http.errors import (
     APIError,
     EngineFailure,
@@ -136,14 +137,7 @@ class Ingress:
                     key: str | None) -> tuple[dict[str, Any], Any, ModelRoute]:
         """The JSON body, in the caller's cache namespace, vLLM's request model of it
         (vLLM's own validation), and the base model it names."""
-        raw = await read_body(request, self.cfg.router.max_body_bytes,
-                              self.cfg.router.body_timeout_s)
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
+        data = await read_object(request, self.cfg.router)
         field_limits.check(kind, data, self.cfg.router.limits)
         salt = cache_salt(self.cfg.router.cache_isolation, key, data.get("cache_salt"),
                           self.keys.api is not None)
@@ -367,10 +361,7 @@ class Ingress:
         try:
             self._authorize(request, admin=True)
             await self._start()
-            data = json.loads(await read_body(request, self.cfg.router.max_body_bytes,
-                                              self.cfg.router.body_timeout_s) or b"{}")
-            if not isinstance(data, dict):
-                raise APIError(400, "request body must be a JSON object")
+            data = await read_object(request, self.cfg.router, empty_ok=True)
             base = data.get("base_model_name")
             model = self.routes.get(base) if base else next(iter(self.routes.values()))
             if model is None:
@@ -396,8 +387,6 @@ class Ingress:
                 reply = await model.load_adapter(name, path)
         except APIError as e:
             return e.response()
-        except ValueError as e:  # malformed JSON
-            return APIError(400, f"malformed JSON body: {str(e)[:200]}").response()
         if reply.status != 200:
             return Response(reply.data, status_code=reply.status,
                             media_type="application/json")
@@ -414,9 +403,7 @@ class Ingress:
         from rayattn.config.schema import RouterConfig
 
         try:
-            data = json.loads(await request.body() or b"{}")
-            if not isinstance(data, dict):
-                raise APIError(400, "request body must be a JSON object")
+            data = await read_object(request, self.cfg.router, empty_ok=True)
             # Validate everything before changing anything; unnamed settings stay as they are.
             # `settings`: other router settings for the runs after this reset (a benchmark's
             # variants on the same engines), as the router's user_config would set them.
@@ -449,7 +436,7 @@ class Ingress:
             return e.response()
         except ValidationError as e:
             return from_validation(e).response()
-        except ValueError as e:
+        except ValueError as e:  # e.g. a key variable the new settings name holds no key
             return APIError(400, str(e)).response()
         after = [d.snapshot() for d in self.dispatchers]
         return JSONResponse({"policy": policy, "index": after[0].index_mode,
@@ -548,30 +535,6 @@ class _Stream(StreamingResponse):
                 self._slot.release()
                 if self.on_close is not None:
                     self.on_close()
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, read chunk by chunk with the limit checked as it grows: a body declared or
-    grown past `limit` is refused without reading the rest (a chunked upload of any size
-    costs the router at most `limit` bytes), and one that takes longer than `timeout_s`
-    is refused too."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} "
-                            "(router.max_body_bytes)")
-    parts, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(413, f"request body exceeds the limit of {limit} bytes "
-                                        "(router.max_body_bytes)")
-                parts.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"request body not received within {timeout_s:g} s "
-                            "(router.body_timeout_s)") from None
-    return b"".join(parts)
 
 
 def request_id(request: Request) -> str:
