@@ -7,32 +7,26 @@ import asyncio
 import json
 import logging
 import os
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from rayattn import compat
 from rayattn.config.loader import parse_models
 from rayattn.config.schema import RayAttnConfig
-from rayattn.engine.protocol import OpenAIRequest, Reply
+from rayattn.engine.protocol import OpenAIRequest
 from rayattn.routing.policies import Decision
 from rayattn.routing.response_homes import ResponseHomes
 from rayattn.server import front_door
 from rayattn.server.dispatch import Dispatcher, Gates, Slot
 from rayattn.server.http.body import read_object
-from rayattn.server.http.errors import (
-    APIError,
-    EngineFailure,
-    client_error,
-    failed_request,
-    from_validation,
-)
+from rayattn.server.http.errors import APIError, EngineFailure, client_error, from_validation
+from rayattn.server.http.replies import Arrival, Replies, Stream
 from rayattn.server.model_route import ModelRoute
 from rayattn.server.tenancy import field_limits
 from rayattn.server.tenancy.keys import Keys, cache_salt, key_id
@@ -161,7 +155,7 @@ class Ingress:
         return data, body, route
 
     async def handle(self, request: Request, kind: str) -> Response:
-        request.state.arrived = Arrival(time.perf_counter(), time.time())
+        request.state.arrived = Arrival.now()
         if self.tracing is None:
             return await self._handle(request, kind)
         span = self.tracing.tracer.start_span(
@@ -176,7 +170,7 @@ class Ingress:
             raise
         span.set_attribute("http.status_code", response.status_code)
         response.headers.update(self.tracing.carrier(span))
-        if isinstance(response, _Stream):
+        if isinstance(response, Stream):
             response.on_close = span.end  # when the last event is out
         else:
             span.end()
@@ -248,8 +242,8 @@ class Ingress:
             span.set_attribute("rayattn.model", body.model or model.name)
             oreq.trace = self.tracing.carrier(span)
         deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
-        arrived = request.state.arrived
-        account = self._is_admin(request)
+        out = Replies(request.state.arrived, self._is_admin(request),
+                      self.cfg.router.request_timeout_s)
         if stream:
             # The first item before the response starts: a request that fails before any
             # output (no replica, vLLM rejects it, timeout) gets its real status code.
@@ -260,26 +254,22 @@ class Ingress:
             except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
                 slot.release()
                 await items.aclose()
-                return failed_request(None if isinstance(e, StopAsyncIteration) else e,
-                                      self.cfg.router.request_timeout_s).response()
+                return out.failed(None if isinstance(e, StopAsyncIteration) else e)
             except BaseException:
                 await items.aclose()
                 raise
             if first.status != 200:
                 slot.release()
                 await items.aclose()
-                return _passthrough(first, decision, account)
+                return out.passthrough(first, decision)
             if stored is not None:
                 stored(decision)
-            self._route_span(span, decision, arrived)
-            return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
-                           items, media_type="text/event-stream",
-                           headers=_replica_header(decision, account))
-        return await self._complete(dispatcher, oreq, route, arrived, slot, account, tenant,
-                                     stored, span)
+            self._route_span(span, decision, out.arrived)
+            return out.stream(first, decision, items, deadline, slot)
+        return await self._complete(dispatcher, oreq, route, out, slot, tenant, stored, span)
 
     async def _complete(self, dispatcher: Dispatcher, req: OpenAIRequest, route: Any,
-                        arrived: Arrival, slot: Slot, account: bool, tenant: str,
+                        out: Replies, slot: Slot, tenant: str,
                         stored: Callable[[Decision], None] | None = None,
                         span: Any = None) -> Response:
         last, decision = None, None
@@ -292,44 +282,17 @@ class Ingress:
                     if item.final:
                         last, decision = item, d
         except (APIError, EngineFailure, TimeoutError) as e:
-            return failed_request(e, self.cfg.router.request_timeout_s).response()
+            return out.failed(e)
         finally:
             slot.release()
         if last is None or decision is None:
-            return failed_request(None, self.cfg.router.request_timeout_s).response()
-        self._route_span(span, decision, arrived)
+            return out.failed(None)
+        self._route_span(span, decision, out.arrived)
         if last.status != 200:
-            return _passthrough(last, decision, account)
+            return out.passthrough(last, decision)
         if stored is not None:
             stored(decision)
-        # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
-        body = _add_key(last.data, _ext(last, decision, arrived, last.stamps)) if account \
-            else last.data
-        return Response(body, media_type="application/json",
-                        headers=_replica_header(decision, account))
-
-    async def _sse(self, head: Reply, decision: Decision,
-                   items: AsyncIterator[tuple[Reply, Decision]], arrived: Arrival,
-                   deadline: float, account: bool) -> AsyncIterator[str]:
-        """vLLM's SSE events as the engine produced them; the router's own account of the
-        request (`rayattn`) rides on the last event before [DONE]."""
-        item = head
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:
-                    if item.final:
-                        yield (_with_ext(item.data, _ext(item, decision, arrived, head.stamps))
-                               if account else item.data)
-                        return
-                    if item.data:
-                        yield item.data
-                    item, decision = await anext(items)
-        except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
-            err = None if isinstance(e, StopAsyncIteration) else e
-            yield _event(failed_request(err, self.cfg.router.request_timeout_s).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            await items.aclose()
+        return out.whole(last, decision)
 
     def _route_span(self, parent: Any, d: Decision, arrived: Arrival) -> None:
         """The router's own part of a traced request: from its arrival to the engine call,
@@ -514,29 +477,6 @@ def _summed(counters: Any) -> dict[str, float]:
     return out
 
 
-class _Stream(StreamingResponse):
-    """A streaming response that gives its admission slot and its engine call back however
-    it ends: finished, client gone, or never started (Starlette does not close a generator
-    it never ran, and the engine call would hold its slot until garbage collection)."""
-
-    def __init__(self, content: AsyncIterator[str], slot: Slot, upstream: Any,
-                 **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self._slot, self._upstream = slot, upstream
-        self.on_close: Callable[[], Any] | None = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._upstream.aclose()
-            finally:
-                self._slot.release()
-                if self.on_close is not None:
-                    self.on_close()
-
-
 def request_id(request: Request) -> str:
     """The client's `x-request-id` (so one request can be followed through router and engine
     logs) or a new one. vLLM makes `chatcmpl-<id>` / `cmpl-<id>` of it: the engine request's
@@ -550,75 +490,3 @@ def request_id(request: Request) -> str:
         raise APIError(400, f"{REQUEST_ID_HEADER}: 1 to 128 printable characters",
                        param=REQUEST_ID_HEADER)
     return given
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _with_ext(sse: str, ext: dict[str, Any]) -> str:
-    """`sse` with `ext` added as "rayattn" to its last JSON event (the usage event when the
-    client asked for one, else the one carrying finish_reason). The engine keeps those
-    events for the final item (openai_layer.py)."""
-    events = sse.split("\n\n")
-    for i in range(len(events) - 1, -1, -1):
-        ev = events[i]
-        if ev.startswith("data: {"):
-            if not ev.startswith('data: {"error"'):
-                events[i] = "data: " + _add_key(ev[6:], ext)
-            return "\n\n".join(events)
-    return sse
-
-
-def _add_key(obj_json: str, ext: dict[str, Any]) -> str:
-    """A JSON object's text with "rayattn": ext as its last member."""
-    head = obj_json.rstrip()[:-1].rstrip()
-    return f'{head}{"" if head.endswith("{") else ","}"rayattn":{json.dumps(ext)}}}'
-
-
-def _passthrough(reply: Reply, d: Decision, account: bool) -> Response:
-    """vLLM's own error answer (JSON, as the engine always sends), with its status code."""
-    return Response(reply.data, status_code=reply.status, media_type="application/json",
-                    headers=_replica_header(d, account))
-
-
-def _replica_header(d: Decision, account: bool) -> dict[str, str] | None:
-    return {"x-rayattn-replica": d.replica} if account else None
-
-
-class Arrival(NamedTuple):
-    """When a request reached the router's handler: perf_counter for its own hop, wall clock
-    to set against the client's and the engine's stamps."""
-
-    perf: float
-    wall: float
-
-
-def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> dict:
-    t = last.timings or {}
-    return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
-            "regret_tokens": d.regret_tokens,
-            "predicted_cached_tokens": d.predicted_cached_tokens,
-            "predicted_reload_tokens": d.predicted_reload_tokens, "path": t.get("path"),
-            "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
-            "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
-            "served_by": last.served_by,
-            "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
-            # The router's own hop: request in (after the HTTP proxy) → engine call issued.
-            "router_s": round(d.dispatched_at - arrived.perf, 6) if d.dispatched_at else None,
-            # The rest of the way to the first token, by wall clock (one host's, or NTP's):
-            # the call's way to the engine replica, the engine's own (render, queue, prefill,
-            # first token), the first chunk's way back to the router.
-            "hops": _hops(stamps),
-            # Wall clock: the client's way in (to this handler) and the first item's way out
-            # (from here) are measured against these.
-            "arrived_at": arrived.wall, "first_item_at": stamps.get("router_in"),
-            "rendered_by_router": last.rendered_by_router}
-
-
-def _hops(s: dict[str, float]) -> dict[str, float] | None:
-    if not {"router_out", "engine_in", "engine_out", "router_in"} <= set(s):
-        return None
-    return {"to_engine_s": round(s["engine_in"] - s["router_out"], 6),
-            "in_engine_s": round(s["engine_out"] - s["engine_in"], 6),
-            "from_engine_s": round(s["router_in"] - s["engine_out"], 6)}
