@@ -99,7 +99,7 @@ async def test_a_call_reaches_the_named_replica_and_its_replies_come_back_whole(
 
 async def test_a_caller_that_stops_at_the_final_reply_leaves_the_connection_reusable(
         endpoint):
-    """The router stops reading at a final reply (server/http/ingress.py); the client has read
+    """The router stops reading at a final reply (server/http/replies.py); the client has read
     the answer to its end by then, so the next call reuses the connection."""
     engine, server, address, client = endpoint
     for rid in ("r1", "r2", "r3"):

@@ -1,663 +1,70 @@
-"""What the OpenAI-compatible ingress does per request: authorize, validate, render, route,
-stream back. The HTTP routes that call it are in rayattn/server/api.py."""
+"""The router's HTTP side put together: its base models, its keys, and the rooms its routes
+(api.py) call: the request path (requests.py), the operator's routes (admin.py), health and
+models (health.py). New router settings reach all of them from here."""
 
 from __future__ import annotations
 
-import asyncio
-import json
 import logging
-import os
-import time
-import uuid
-from collections.abc import AsyncIterator, Callable
-from dataclasses import asdict
-from typing import Any, NamedTuple
+from typing import Any
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import ValidationError
-
-from rayattn import compat
+from rayattn import logs
 from rayattn.config.loader import parse_models
-from rayattn.config.schema import RayAttnConfig
-from rayattn.engine.protocol import OpenAIRequest, Reply
-from rayattn.routing.policies import Decision
-from rayattn.routing.response_homes import ResponseHomes
-from rayattn.server import front_door
-from rayattn.server.dispatch import Dispatcher
-from rayattn.server.errors import (
-    APIError,
-    EngineFailure,
-    client_error,
-    failed_request,
-    from_validation,
-)
+from rayattn.config.schema import RayAttnConfig, RouterConfig
+from rayattn.metrics import tracing
+from rayattn.server.http.access import Access
+from rayattn.server.http.admin import AdminAPI
+from rayattn.server.http.bases import Bases
+from rayattn.server.http.health import Health
+from rayattn.server.http.requests import RequestPath
+from rayattn.server.http.spans import Spans
 from rayattn.server.model_route import ModelRoute
-from rayattn.server.tenancy import field_limits
-from rayattn.server.tenancy.admission import Slot
 from rayattn.server.tenancy.gates import Gates
-from rayattn.server.tenancy.keys import Keys, cache_salt, key_id
+from rayattn.server.tenancy.keys import Keys
 
 log = logging.getLogger("rayattn.ingress")
-REQUEST_ID_HEADER = "x-request-id"
 
 
 class Ingress:
     def __init__(self, args: dict[str, Any], engines: Any) -> None:
         """`engines`: each base model's engine deployment handle, by served name (or, for
         one model, its handle alone)."""
-        from rayattn import logs
-
         logs.setup()
         cfgs = parse_models(args)
         if not isinstance(engines, dict):
             engines = {cfgs[0].model.name: engines}
         self.gates = Gates.of(cfgs[0].router)
-        self.routes = {c.model.name: ModelRoute(c, engines[c.model.name], self.gates)
-                       for c in cfgs}
-        """One per base model, in the config's order (the first answers requests that name
-        no model, as `vllm serve` answers them with its first served name)."""
-        self._by_model = {n: r for r in self.routes.values() for n in r.cfg.model.served_names}
-        # Router settings and the router's own serve settings are shared by every model.
+        self.bases = Bases([ModelRoute(c, engines[c.model.name], self.gates) for c in cfgs])
+        # Router settings and the router's own serve settings are shared by every model:
+        # the rooms read them from the first model's config, whose `router` is replaced
+        # in place when they change.
         self.cfg = cfgs[0]
-        self.keys = Keys.from_env(self.cfg.router)
-        self.response_homes = ResponseHomes()
-        from rayattn.metrics import tracing
-
+        self.access = Access(Keys.from_env(self.cfg.router))
         self.tracing = tracing.make(self.cfg.tracing, "router")
-        self._check_front_door()
-
-    def _check_front_door(self) -> None:
-        """How clients reach this router, for /health, with a warning where that is not what
-        rayattn sets up (Serve's proxy, or HAProxy hashing another header)."""
-        self.front_door = front_door.report(self.cfg.router.session_header)
-        if self.front_door["note"]:
-            log.warning("%s", self.front_door["note"])
-
-    @property
-    def dispatchers(self) -> list[Dispatcher]:
-        return [r.dispatcher for r in self.routes.values()]
+        spans = Spans(self.tracing) if self.tracing is not None else None
+        self.request_path = RequestPath(self.cfg, self.bases, self.access, spans)
+        self.admin = AdminAPI(self.cfg, self.bases, self.access, self.apply_router_config)
+        self.health = Health(self.bases, self.access, self.gates,
+                             self.cfg.router.session_header)
 
     def apply_router_config(self, router: dict[str, Any]) -> None:
         """New router settings on a running router (Serve's reconfigure): limits and
         thresholds apply to the next request; a new policy or index mode keeps the engines
         and their caches (a new index resyncs from the engines)."""
-        from rayattn.config.schema import RouterConfig
-
         new = RouterConfig.model_validate(router)
         keys = Keys.from_env(new)  # fails the update (not the requests) when a key is missing
-        for route in self.routes.values():
+        for route in self.bases:
             # Checked against every model's engine part before any model takes it.
             RayAttnConfig.model_validate({**route.cfg.model_dump(), "router": new.model_dump()})
-        for route in self.routes.values():
+        for route in self.bases:
             route.cfg.router = new
-        self.keys = keys
-        self._check_front_door()  # the session header may have changed
-        for d in self.dispatchers:
+        self.access.keys = keys
+        self.health.look_at_front_door(new.session_header)  # the header may have changed
+        for d in self.bases.dispatchers:
             d.apply_router_config(new)
         log.info("router settings applied: %s", new.model_dump())
 
-    def _authorize(self, request: Request, admin: bool = False) -> str | None:
-        return self.keys.check(request.headers.get("authorization"), admin)
-
-    def _is_admin(self, request: Request) -> bool:
-        """Whether the caller could open the admin API (every caller where no keys are
-        configured). Only such callers see the router's account of a request (replica,
-        predicted cache hits, other replicas' load) and /health's details: to a tenant,
-        where another tenant's prompt is cached is an oracle on that prompt."""
-        try:
-            self._authorize(request, admin=True)
-            return True
-        except APIError:
-            return False
-
-    # --- plumbing -----------------------------------------------------------------------
-    async def _start(self) -> None:
-        if slow := os.environ.get("RAYATTN_SLOW_CALLBACK_S"):
-            # Diagnosis (bench/gpu/profile_router.sh): asyncio logs every step that holds
-            # this loop longer than this, i.e. what delays every other request.
-            loop = asyncio.get_running_loop()
-            if not loop.get_debug():
-                loop.set_debug(True)
-                loop.slow_callback_duration = float(slow)
-        for route in self.routes.values():
-            await route.start()
+    async def start(self) -> None:
+        await self.bases.start()
 
     async def synced(self) -> None:
-        """Return once every engine's KV event view has its first snapshot, or after
-        kv_feeds.SYNC_GRACE_S; from then on the router takes traffic whatever its feeds do
-        (Serve calls this through reconfigure before the first request)."""
-        for d in self.dispatchers:
-            d.feeds.hold()
-        while any(d.feeds.syncing() for d in self.dispatchers):
-            await asyncio.sleep(0.05)
-        for d in self.dispatchers:
-            d.feeds.release()
-
-    async def _body(self, request: Request, kind: str,
-                    key: str | None) -> tuple[dict[str, Any], Any, ModelRoute]:
-        """The JSON body, in the caller's cache namespace, vLLM's request model of it
-        (vLLM's own validation), and the base model it names."""
-        raw = await read_body(request, self.cfg.router.max_body_bytes,
-                              self.cfg.router.body_timeout_s)
-        try:
-            data = json.loads(raw)
-        except (ValueError, RecursionError) as e:
-            raise APIError(400, f"malformed JSON body: {str(e)[:200]}") from None
-        if not isinstance(data, dict):
-            raise APIError(400, "request body must be a JSON object")
-        field_limits.check(kind, data, self.cfg.router.limits)
-        salt = cache_salt(self.cfg.router.cache_isolation, key, data.get("cache_salt"),
-                          self.keys.api is not None)
-        if salt is not None:
-            data["cache_salt"] = salt
-        model = data.get("model")
-        route = next(iter(self.routes.values())) if model is None else \
-            self._route_of(model) if isinstance(model, str) else None
-        if route is None:
-            # vLLM's own answer, given here before the prompt is rendered and routed.
-            raise APIError(404, f"The model `{model}` does not exist.", param="model",
-                           code="model_not_found")
-        try:
-            body = compat.openai_model(kind).model_validate(data)
-        except ValidationError as e:
-            raise from_validation(e) from None
-        except RecursionError:
-            raise APIError(400, "request body nested too deeply") from None
-        except compat.client_error_types() as e:  # vLLM's own checks beyond pydantic's
-            raise client_error(e) from None
-        return data, body, route
-
-    async def handle(self, request: Request, kind: str) -> Response:
-        request.state.arrived = Arrival(time.perf_counter(), time.time())
-        if self.tracing is None:
-            return await self._handle(request, kind)
-        span = self.tracing.tracer.start_span(
-            "rayattn.request", context=self.tracing.context_from(request.headers),
-            start_time=int(request.state.arrived.wall * 1e9),
-            attributes={"rayattn.kind": kind, "http.route": request.url.path})
-        request.state.span = span
-        try:
-            response = await self._handle(request, kind)
-        except BaseException:
-            span.end()
-            raise
-        span.set_attribute("http.status_code", response.status_code)
-        response.headers.update(self.tracing.carrier(span))
-        if isinstance(response, _Stream):
-            response.on_close = span.end  # when the last event is out
-        else:
-            span.end()
-        return response
-
-    async def _handle(self, request: Request, kind: str) -> Response:
-        try:
-            rid = request_id(request)
-        except APIError as e:
-            return e.response()
-        try:
-            key = self._authorize(request)
-            field_limits.check_session(self.cfg.router.session_header,
-                                 request.headers.get(self.cfg.router.session_header),
-                                 self.cfg.router.limits)
-            await self._start()
-            data, body, route = await self._body(request, kind, key)
-            tenant = key_id(key)
-            slot = route.dispatcher.admit(tenant, field_limits.engine_requests(kind, data))
-        except APIError as e:
-            return e.response()
-        # From here the slot is ours until the response ends; whichever path ends the
-        # request releases it (once).
-        try:
-            return await self._admitted(request, kind, data, body, rid, slot, tenant, route)
-        except BaseException:
-            slot.release()
-            raise
-
-    async def _admitted(self, request: Request, kind: str, data: dict[str, Any], body: Any,
-                        rid: str, slot: Slot, tenant: str, model: ModelRoute) -> Response:
-        try:
-            prompt = await model.render(kind, body)
-        except APIError as e:
-            slot.release()
-            return e.response()
-        stored: Callable[[Decision], None] | None = None
-        pinned = None
-        if kind == "responses":
-            # vLLM's id of the answer is the request id: always a new one, named here (a
-            # client's x-request-id may repeat across turns, and an id chosen in the body
-            # could overwrite another tenant's stored conversation).
-            response_id = data["request_id"] = body.request_id = f"resp_{uuid.uuid4().hex}"
-            prev = body.previous_response_id
-            if prev is not None:
-                home = self.response_homes.home(prev)
-                if home is not None and home.tenant != tenant:
-                    slot.release()  # another tenant's: as unknown as it is to vLLM
-                    return APIError(404, f"Response with id '{prev}' not found.",
-                                    param="previous_response_id").response()
-                pinned = home.replica if home and home.model == model.name else None
-
-            def stored(d: Decision) -> None:
-                self.response_homes.stored(response_id, tenant, model.name, d.replica)
-        else:
-            data["request_id"] = rid
-        stream = bool(body.stream)
-        dispatcher = model.dispatcher
-        oreq = OpenAIRequest(kind, data, rid, dispatcher.stream_interval_s(),
-                             log=self.cfg.router.log_requests,
-                             engine_inputs=prompt.engine_inputs)
-        route = dispatcher.core.request(
-            prompt.token_ids, request.headers.get(self.cfg.router.session_header), prompt.text,
-            salt=body.cache_salt, adapter=model.adapter(body.model))
-        route.pinned = pinned
-        span = getattr(request.state, "span", None)
-        if span is not None:
-            span.set_attribute("rayattn.request_id", rid)
-            span.set_attribute("rayattn.model", body.model or model.name)
-            oreq.trace = self.tracing.carrier(span)
-        deadline = asyncio.get_running_loop().time() + self.cfg.router.request_timeout_s
-        arrived = request.state.arrived
-        account = self._is_admin(request)
-        if stream:
-            # The first item before the response starts: a request that fails before any
-            # output (no replica, vLLM rejects it, timeout) gets its real status code.
-            items = dispatcher.generate(oreq, route, tenant=tenant)
-            try:
-                async with asyncio.timeout_at(deadline):
-                    first, decision = await anext(items)
-            except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
-                slot.release()
-                await items.aclose()
-                return failed_request(None if isinstance(e, StopAsyncIteration) else e,
-                                      self.cfg.router.request_timeout_s).response()
-            except BaseException:
-                await items.aclose()
-                raise
-            if first.status != 200:
-                slot.release()
-                await items.aclose()
-                return _passthrough(first, decision, account)
-            if stored is not None:
-                stored(decision)
-            self._route_span(span, decision, arrived)
-            return _Stream(self._sse(first, decision, items, arrived, deadline, account), slot,
-                           items, media_type="text/event-stream",
-                           headers=_replica_header(decision, account))
-        return await self._complete(dispatcher, oreq, route, arrived, slot, account, tenant,
-                                     stored, span)
-
-    async def _complete(self, dispatcher: Dispatcher, req: OpenAIRequest, route: Any,
-                        arrived: Arrival, slot: Slot, account: bool, tenant: str,
-                        stored: Callable[[Decision], None] | None = None,
-                        span: Any = None) -> Response:
-        last, decision = None, None
-        try:
-            async with asyncio.timeout(self.cfg.router.request_timeout_s):
-                # Buffered: nothing reaches the client before the answer is whole, so the
-                # dispatcher may retry a replica failure at any point.
-                async for item, d in dispatcher.generate(req, route, buffered=True,
-                                                         tenant=tenant):
-                    if item.final:
-                        last, decision = item, d
-        except (APIError, EngineFailure, TimeoutError) as e:
-            return failed_request(e, self.cfg.router.request_timeout_s).response()
-        finally:
-            slot.release()
-        if last is None or decision is None:
-            return failed_request(None, self.cfg.router.request_timeout_s).response()
-        self._route_span(span, decision, arrived)
-        if last.status != 200:
-            return _passthrough(last, decision, account)
-        if stored is not None:
-            stored(decision)
-        # vLLM's body as it wrote it, with the router's account added (no parse, no dump).
-        body = _add_key(last.data, _ext(last, decision, arrived, last.stamps)) if account \
-            else last.data
-        return Response(body, media_type="application/json",
-                        headers=_replica_header(decision, account))
-
-    async def _sse(self, head: Reply, decision: Decision,
-                   items: AsyncIterator[tuple[Reply, Decision]], arrived: Arrival,
-                   deadline: float, account: bool) -> AsyncIterator[str]:
-        """vLLM's SSE events as the engine produced them; the router's own account of the
-        request (`rayattn`) rides on the last event before [DONE]."""
-        item = head
-        try:
-            async with asyncio.timeout_at(deadline):
-                while True:
-                    if item.final:
-                        yield (_with_ext(item.data, _ext(item, decision, arrived, head.stamps))
-                               if account else item.data)
-                        return
-                    if item.data:
-                        yield item.data
-                    item, decision = await anext(items)
-        except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
-            err = None if isinstance(e, StopAsyncIteration) else e
-            yield _event(failed_request(err, self.cfg.router.request_timeout_s).body())
-            yield "data: [DONE]\n\n"
-        finally:
-            await items.aclose()
-
-    def _route_span(self, parent: Any, d: Decision, arrived: Arrival) -> None:
-        """The router's own part of a traced request: from its arrival to the engine call,
-        with the decision's account."""
-        if parent is None or self.tracing is None or not d.dispatched_at:
-            return
-        from opentelemetry import trace
-
-        start = arrived.wall
-        span = self.tracing.tracer.start_span(
-            "rayattn.route", context=trace.set_span_in_context(parent),
-            start_time=int(start * 1e9), attributes={
-                "rayattn.replica": d.replica, "rayattn.route_reason": d.reason,
-                "rayattn.predicted_cached_tokens": d.predicted_cached_tokens,
-                "rayattn.regret_tokens": d.regret_tokens,
-                "rayattn.moved_from": d.moved_from or ""})
-        span.end(end_time=int((start + d.dispatched_at - arrived.perf) * 1e9))
-
-    def _route_of(self, model: str) -> ModelRoute | None:
-        """The base model a `model` names: itself, a configured adapter of it, or one
-        loaded at run time."""
-        return self._by_model.get(model) or next(
-            (r for r in self.routes.values() if r.adapter(model) is not None), None)
-
-    async def lora_admin(self, request: Request, action: str) -> Response:
-        """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, on every engine of the
-        base model (`base_model_name`, else the first): for admin callers, since the path
-        is read on the engines' nodes."""
-        try:
-            self._authorize(request, admin=True)
-            await self._start()
-            data = json.loads(await read_body(request, self.cfg.router.max_body_bytes,
-                                              self.cfg.router.body_timeout_s) or b"{}")
-            if not isinstance(data, dict):
-                raise APIError(400, "request body must be a JSON object")
-            base = data.get("base_model_name")
-            model = self.routes.get(base) if base else next(iter(self.routes.values()))
-            if model is None:
-                raise APIError(404, f"The model `{base}` does not exist.",
-                               param="base_model_name")
-            if not model.cfg.model.lora.runtime_updates:
-                raise APIError(404, f"run-time LoRA updates are off for {model.name} "
-                                    "(model.lora.runtime_updates)")
-            name = data.get("lora_name")
-            if not isinstance(name, str) or not 0 < len(name) <= 128:
-                raise APIError(400, "lora_name: 1 to 128 characters", param="lora_name")
-            if action == "unload":
-                reply = await model.unload_adapter(name)
-            else:
-                path = data.get("lora_path")
-                if not isinstance(path, str) or not path:
-                    raise APIError(400, "lora_path: the adapter's directory on the engines' "
-                                        "nodes", param="lora_path")
-                owner = self._route_of(name)
-                if name in self.routes or (owner is not None and owner is not model):
-                    raise APIError(400, f"lora_name: `{name}` already names a model",
-                                   param="lora_name")
-                reply = await model.load_adapter(name, path)
-        except APIError as e:
-            return e.response()
-        except ValueError as e:  # malformed JSON
-            return APIError(400, f"malformed JSON body: {str(e)[:200]}").response()
-        if reply.status != 200:
-            return Response(reply.data, status_code=reply.status,
-                            media_type="application/json")
-        return Response(json.loads(reply.data)["message"], media_type="text/plain")
-
-    async def admin_reset(self, request: Request) -> Response:
-        if not self.cfg.router.admin_api:
-            return APIError(404, "admin API disabled (router.admin_api)").response()
-        try:
-            self._authorize(request, admin=True)
-        except APIError as e:
-            return e.response()
-        await self._start()
-        from rayattn.config.schema import RouterConfig
-
-        try:
-            data = json.loads(await request.body() or b"{}")
-            if not isinstance(data, dict):
-                raise APIError(400, "request body must be a JSON object")
-            # Validate everything before changing anything; unnamed settings stay as they are.
-            # `settings`: other router settings for the runs after this reset (a benchmark's
-            # variants on the same engines), as the router's user_config would set them.
-            settings = data.get("settings") or {}
-            if not isinstance(settings, dict):
-                raise APIError(400, "settings must be an object of router settings",
-                               param="settings")
-            now = self.dispatchers[0].snapshot()  # every model's routing runs the same
-            current = {**self.cfg.router.model_dump(), "policy": now.policy,
-                       "index": now.index_mode}
-            want = RouterConfig.model_validate(
-                {**current, **settings,
-                 **{k: data[k] for k in ("policy", "index") if data.get(k)}})
-            wanted = want.model_dump()
-            changed = [k for k in wanted if wanted[k] != current.get(k)]
-            if changed and self.cfg.serve.max_routers > 1:
-                # One request reaches one router replica: the others would keep routing
-                # with the old settings, and a comparison of policies would mix them.
-                raise APIError(409, f"this deployment runs up to "
-                               f"{self.cfg.serve.max_routers} router replicas and "
-                               "/admin/reset reaches one: change router settings through "
-                               "the Serve config's user_config (every replica applies "
-                               "it), then reset without them", param=changed[0])
-            if any(k != "policy" for k in changed):
-                # Same path as a live router setting: a new index resyncs from the engines.
-                self.apply_router_config(wanted)
-            for d in self.dispatchers:
-                policy = await d.reset(want.policy)
-        except APIError as e:
-            return e.response()
-        except ValidationError as e:
-            return from_validation(e).response()
-        except ValueError as e:
-            return APIError(400, str(e)).response()
-        after = [d.snapshot() for d in self.dispatchers]
-        return JSONResponse({"policy": policy, "index": after[0].index_mode,
-                             "replicas_up": [r for a in after for r in a.replicas_up]})
-
-    async def models(self, request: Request) -> Response:
-        try:
-            self._authorize(request)
-        except APIError as e:
-            return e.response()
-        await self._start()
-        # vLLM's own cards (names, max_model_len, adapters with their parent) from each base
-        # model's engines; a model none of whose engines serves yet is left out.
-        cards = [await r.models() for r in self.routes.values()]
-        if all(c is None for c in cards):
-            return self._not_ready().response()
-        return JSONResponse({"object": "list", "data": [m for c in cards if c for m in c]})
-
-    def _not_ready(self) -> APIError:
-        down = [r for r in self.routes.values() if not r.dispatcher.live()]
-        if len(self.routes) == 1 or not down:
-            return next(iter(self.routes.values())).not_ready()
-        names = ", ".join(r.name for r in down)
-        return APIError(503, f"not ready: no engine replica of {names} serves yet (engines "
-                             "load the model at start-up; retry shortly)", retry_after=5)
-
-    async def health(self, request: Request) -> Response:
-        await self._start()
-        snaps = {n: r.dispatcher.snapshot() for n, r in self.routes.items()}
-        first = next(iter(snaps.values()))
-        live = [r for s in snaps.values() for r in s.replicas_up]
-        # Ready when every model has an engine serving: a balancer must not send a model's
-        # requests to a router that cannot serve them. Nor, while it starts, before its view
-        # of each engine's cache is taken (Serve holds traffic back until then too, see
-        # Router.reconfigure): routed now, a conversation's next turn would find no history.
-        syncing = [t for s in snaps.values() for t in s.syncing]
-        ready = all(s.replicas_up for s in snaps.values()) and not syncing
-        reason = None
-        if syncing:  # a count: replica names are for operators
-            reason = (f"not ready: taking the KV cache view of {len(syncing)} engine "
-                      "target(s); retry shortly")
-        elif not ready:
-            reason = self._not_ready().message
-        body: dict[str, Any] = {"status": "ok" if ready else "unavailable", "reason": reason,
-                                "up": len(live), "of": sum(s.replicas for s in snaps.values())}
-        headers = None if ready else {"Retry-After": "5"}
-        if not self._is_admin(request):
-            # Probes need only the status; pids, GPU ids, replica names and live load are
-            # for operators.
-            return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
-        body |= {"replicas_up": live, "syncing": syncing,
-                 "replicas": sum(s.replicas for s in snaps.values()),
-                 "joined": sum(s.joined for s in snaps.values()), "policy": first.policy,
-                 "router_pid": os.getpid(), "front_door": self.front_door,
-                 "limits": {"max_inflight": first.max_inflight},
-                 "index": first.index_mode,
-                 # The gates' counts are the router's own (one set for all models).
-                 "counts": {**_summed(s.counts for s in snaps.values()),
-                            **self.gates.counts(),
-                            **_summed(r.render_counts() for r in self.routes.values())},
-                 "regret_tokens": _summed(s.regret_tokens for s in snaps.values()),
-                 "session_moves": _summed(s.session_moves for s in snaps.values()),
-                 "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}
-        if len(snaps) > 1:
-            body["models"] = {n: {"up": len(s.replicas_up), "of": s.replicas,
-                                  "engines": sorted(s.engines)} for n, s in snaps.items()}
-        return JSONResponse(body, status_code=200 if ready else 503, headers=headers)
-
-
-def _summed(counters: Any) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for c in counters:
-        for k, v in c.items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
-class _Stream(StreamingResponse):
-    """A streaming response that gives its admission slot and its engine call back however
-    it ends: finished, client gone, or never started (Starlette does not close a generator
-    it never ran, and the engine call would hold its slot until garbage collection)."""
-
-    def __init__(self, content: AsyncIterator[str], slot: Slot, upstream: Any,
-                 **kw: Any) -> None:
-        super().__init__(content, **kw)
-        self._slot, self._upstream = slot, upstream
-        self.on_close: Callable[[], Any] | None = None
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            try:
-                await self._upstream.aclose()
-            finally:
-                self._slot.release()
-                if self.on_close is not None:
-                    self.on_close()
-
-
-async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
-    """The body, read chunk by chunk with the limit checked as it grows: a body declared or
-    grown past `limit` is refused without reading the rest (a chunked upload of any size
-    costs the router at most `limit` bytes), and one that takes longer than `timeout_s`
-    is refused too."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise APIError(413, f"request body of {declared} bytes exceeds the limit of {limit} "
-                            "(router.max_body_bytes)")
-    parts, size = [], 0
-    try:
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise APIError(413, f"request body exceeds the limit of {limit} bytes "
-                                        "(router.max_body_bytes)")
-                parts.append(chunk)
-    except TimeoutError:
-        raise APIError(408, f"request body not received within {timeout_s:g} s "
-                            "(router.body_timeout_s)") from None
-    return b"".join(parts)
-
-
-def request_id(request: Request) -> str:
-    """The client's `x-request-id` (so one request can be followed through router and engine
-    logs) or a new one. vLLM makes `chatcmpl-<id>` / `cmpl-<id>` of it: the engine request's
-    id and the response's `id`. Serve's HTTP proxy passes the client's header on, sets its
-    own request id there when the client sent none, and echoes it in the response's
-    `x-request-id` header (so this router does not add one)."""
-    given = request.headers.get(REQUEST_ID_HEADER)
-    if given is None:
-        return uuid.uuid4().hex
-    if not 0 < len(given) <= 128 or not given.isprintable():
-        raise APIError(400, f"{REQUEST_ID_HEADER}: 1 to 128 printable characters",
-                       param=REQUEST_ID_HEADER)
-    return given
-
-
-def _event(payload: dict) -> str:
-    return f"data: {json.dumps(payload)}\n\n"
-
-
-def _with_ext(sse: str, ext: dict[str, Any]) -> str:
-    """`sse` with `ext` added as "rayattn" to its last JSON event (the usage event when the
-    client asked for one, else the one carrying finish_reason). The engine keeps those
-    events for the final item (openai_layer.py)."""
-    events = sse.split("\n\n")
-    for i in range(len(events) - 1, -1, -1):
-        ev = events[i]
-        if ev.startswith("data: {"):
-            if not ev.startswith('data: {"error"'):
-                events[i] = "data: " + _add_key(ev[6:], ext)
-            return "\n\n".join(events)
-    return sse
-
-
-def _add_key(obj_json: str, ext: dict[str, Any]) -> str:
-    """A JSON object's text with "rayattn": ext as its last member."""
-    head = obj_json.rstrip()[:-1].rstrip()
-    return f'{head}{"" if head.endswith("{") else ","}"rayattn":{json.dumps(ext)}}}'
-
-
-def _passthrough(reply: Reply, d: Decision, account: bool) -> Response:
-    """vLLM's own error answer (JSON, as the engine always sends), with its status code."""
-    return Response(reply.data, status_code=reply.status, media_type="application/json",
-                    headers=_replica_header(d, account))
-
-
-def _replica_header(d: Decision, account: bool) -> dict[str, str] | None:
-    return {"x-rayattn-replica": d.replica} if account else None
-
-
-class Arrival(NamedTuple):
-    """When a request reached the router's handler: perf_counter for its own hop, wall clock
-    to set against the client's and the engine's stamps."""
-
-    perf: float
-    wall: float
-
-
-def _ext(last: Any, d: Decision, arrived: Arrival, stamps: dict[str, float]) -> dict:
-    t = last.timings or {}
-    return {"replica": d.replica, "route_reason": d.reason, "moved_from": d.moved_from,
-            "regret_tokens": d.regret_tokens,
-            "predicted_cached_tokens": d.predicted_cached_tokens,
-            "predicted_reload_tokens": d.predicted_reload_tokens, "path": t.get("path"),
-            "engine_ttft_s": t.get("ttft_s"), "engine_prefill_s": t.get("prefill_s"),
-            "engine_queue_s": t.get("queue_s"), "engine_itl_s": t.get("itl_s"),
-            "served_by": last.served_by,
-            "loads": d.loads, "costs": {r: round(v, 4) for r, v in d.costs.items()},
-            # The router's own hop: request in (after the HTTP proxy) → engine call issued.
-            "router_s": round(d.dispatched_at - arrived.perf, 6) if d.dispatched_at else None,
-            # The rest of the way to the first token, by wall clock (one host's, or NTP's):
-            # the call's way to the engine replica, the engine's own (render, queue, prefill,
-            # first token), the first chunk's way back to the router.
-            "hops": _hops(stamps),
-            # Wall clock: the client's way in (to this handler) and the first item's way out
-            # (from here) are measured against these.
-            "arrived_at": arrived.wall, "first_item_at": stamps.get("router_in"),
-            "rendered_by_router": last.rendered_by_router}
-
-
-def _hops(s: dict[str, float]) -> dict[str, float] | None:
-    if not {"router_out", "engine_in", "engine_out", "router_in"} <= set(s):
-        return None
-    return {"to_engine_s": round(s["engine_in"] - s["router_out"], 6),
-            "in_engine_s": round(s["engine_out"] - s["engine_in"], 6),
-            "from_engine_s": round(s["router_in"] - s["engine_out"], 6)}
+        await self.bases.synced()
