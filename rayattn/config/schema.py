@@ -365,8 +365,8 @@ class RouterConfig(_Strict):
     reload_cost_fraction: float = Field(0.1, ge=0, le=1)
     """`affinity`: what reloading a cached token from an engine's host-memory KV tier
     (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
-    far cheaper than the model's compute (docs/gpu.md measures both on an H200); pricing it
-    above zero keeps a conversation on the replica whose HBM still holds it."""
+    far cheaper than the model's compute (docs/results.md measures both on an H200); pricing
+    it above zero keeps a conversation on the replica whose HBM still holds it."""
     stream_interval_ms: float = Field(20.0, ge=0)
     """Streaming: after the first token, output is sent on in chunks at most this often
     (tokens generated meanwhile are merged). Each chunk is one message through the engine
@@ -385,8 +385,9 @@ class RouterConfig(_Strict):
     endpoint on its node's address (an ephemeral port, a bearer token routers learn over
     Ray), its answer streamed back as msgpack frames (engine/direct_server.py): no Serve
     request routing, replica task or per-chunk message (one H100, 128 streams: later turns'
-    first token p50 0.087 s against 0.121 s over `grpc`, docs/gpu.md section 8d); a
-    replica without the endpoint, or a request msgpack cannot carry, takes `grpc`. Needs
+    first token p50 0.087 s against 0.121 s over `grpc`, docs/log/gpu-one-gpu-contest.md
+    section 8d); a replica without the endpoint, or a request msgpack cannot carry, takes
+    `grpc`. Needs
     the routers to reach the engines' nodes on any port, as the KV event relays already
     do. `grpc`: Serve's replica-to-replica
     gRPC channel (`_by_reference=False`), one message per streamed chunk on a persistent
@@ -411,19 +412,20 @@ class RouterConfig(_Strict):
     other routers' requests, output beyond max_tokens estimates, histories growing turn by
     turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
     histories; one H200, doc_chat, histories growing 4.7k -> 7.6k tokens: 0.95 kept 0.35 of
-    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time, docs/gpu.md section 9),
-    0.95 on engines with one (engine.kv_offload: a history pushed out of HBM is reloaded,
-    not recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
-    this ceiling while its live conversations come back to find their history evicted, and
-    climbs back while they find it kept (routing/kv_budget.py; /health's
-    `admission_fill`)."""
+    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time,
+    docs/log/gpu-kv-hierarchy.md), 0.95 on engines with one (engine.kv_offload: a history
+    pushed out of HBM is reloaded, not recomputed; 0.7 there cost 8 % of the output). Each
+    engine's fill also backs off from this ceiling while its live conversations come back to
+    find their history evicted, and climbs back while they find it kept
+    (routing/kv_budget.py; /health's `admission_fill`)."""
     kv_admission_protect: Literal["auto", "live", "running"] = "auto"
     """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every
     live conversation's (continuing turns never queue behind new conversations' prefills;
     new conversations wait until live ones go quiet). `running`: only those with a turn in
     flight, every prompt counted whole (quiet histories wait in the engine's host KV tier;
     admission then mostly runs continuing turns first). `auto`: `running` on engines with
-    a host tier (engine.kv_offload), else `live` (docs/gpu.md section 9 measures both)."""
+    a host tier (engine.kv_offload), else `live` (docs/results.md, "The KV hierarchy on one
+    H200", measures both)."""
     dp_rank_routing: bool = True
     """Engines that run DP ranks inside themselves (parallelism.dp_attention or
     engine_dp_size): route to each rank as a target of its own, by its own KV events and
