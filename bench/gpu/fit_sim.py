@@ -1,4 +1,4 @@
-"""Simulator engine coefficients refitted from the GPU measurements (docs/gpu.md), printed as
+"""Simulator engine coefficients refitted from the GPU measurements (docs/results.md), printed as
 JSON and as `rayattn simulate` flags.
 
   python3 bench/gpu/fit_sim.py [--backends bench/gpu/results/backends.json] [--run FLASH_ATTN@mha]

@@ -1,4 +1,5 @@
-"""Tables of docs/gpu.md from what the device calls of bench/gpu/run.sh brought back.
+"""Tables of docs/results.md (and docs/log/gpu-*.md) from what the device calls of
+bench/gpu/run.sh brought back.
 
   python3 bench/gpu/report.py --routing DIR/routing.json --backends DIR/backends.json \
       --placement DIR/placement-dp1-tp2.json [--placement ...] --tokenizer TOKDIR \

@@ -1,4 +1,4 @@
-"""rayattn vs vllm-router on the same GPUs, same engines, one run (docs/gpu.md).
+"""rayattn vs vllm-router on the same GPUs, same engines, one run (docs/results.md).
 
 On a node of 2 GPUs this starts, side by side and with identical engine settings (taken from
 rayattn's own plan of deployments/h200.yaml):

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Device-side steps of the GPU run of docs/gpu.md, one per `run` call of the device tool
+# Device-side steps of the GPU runs of docs/results.md, one per `run` call of the device tool
 # (nvidia-h200-x2), after the wheel bundles of ../shared/gpu/README.md (plus vllm-router and
 # orjson) have been moved to /tmp/gpuwhl. Run from the repository root on the device:
 #

@@ -1,4 +1,4 @@
-"""The extend path from each KV tier, on one GPU (docs/gpu.md section 9).
+"""The extend path from each KV tier, on one GPU (docs/results.md, "The KV hierarchy").
 
 One vLLM engine with a host-memory KV tier (vLLM's native offloading, as rayattn's
 `engine.kv_offload` configures it). For each context length L and repeat, with random token

@@ -420,7 +420,7 @@ def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> 
 
 
 # `rayattn simulate`'s engine coefficients: EngineModel fields, with MI300X-class defaults
-# (per replica of TP8, docs/benchmarks.md) where the model's own are CPU ones.
+# (per replica of TP8, docs/log/simulator.md) where the model's own are CPU ones.
 _ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
     "prefill_s_per_token": (2e-5, None),
     "ctx_s_per_token": (2e-7, None),

@@ -29,7 +29,7 @@ engine's waiting queue, the engine replica takes it in, one request at a time,
 `frontend_s` each; `hop_s` is added to every first token (proxy, engine calls, streaming).
 
 Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
-from the command line (docs/gpu.md has the H200 ones).
+from the command line (docs/results.md has the H200 ones).
 
 Two drivers: an open loop (each request's `arrival` is fixed) and a closed loop like
 `rayattn bench` (`concurrency` conversations at a time, a conversation's next turn
@@ -94,10 +94,10 @@ class EngineModel:
     step_overlap: float = 0.0
     """Share (0..1) of the shorter of a step's fixed and compute parts that runs under the
     longer. Calibrated from a real run; 0, the default, is the additive model the GPU
-    coefficients of docs/gpu.md were fitted with."""
+    coefficients of docs/results.md were fitted with."""
     contention: float = 0.0
     """How much longer a step takes for each other engine of its host that has work when
-    the step starts (the CPU engines of docs/benchmarks.md share two cores: each runs at its
+    the step starts (the CPU engines of docs/log/simulator.md share two cores: each runs at its
     own speed only while the other is idle). 0, the default: engines of their own."""
     engines_per_host: int = 0
     """Engines that share a host, consecutive in the fleet (0: the whole fleet), for

@@ -350,11 +350,10 @@ class RouterConfig(RouterFields, _Strict):
     """How the router calls engine replicas. `direct`: an HTTP POST to the replica's own
     endpoint on its node's address (an ephemeral port, a bearer token routers learn over
     Ray), its answer streamed back as msgpack frames (engine/direct_server.py): no Serve
-    request routing, replica task or per-chunk message (one H100, 128 streams: later turns'
-    first token p50 0.087 s against 0.121 s over `grpc`, docs/gpu.md section 8d); a
-    replica without the endpoint, or a request msgpack cannot carry, takes `grpc`. Needs
-    the routers to reach the engines' nodes on any port, as the KV event relays already
-    do. `grpc`: Serve's replica-to-replica
+    request routing, replica task or per-chunk message (docs/results.md compares the
+    transports); a replica without the endpoint, or a request msgpack cannot carry, takes
+    `grpc`. Needs the routers to reach the engines' nodes on any port, as the KV event
+    relays already do. `grpc`: Serve's replica-to-replica
     gRPC channel (`_by_reference=False`), one message per streamed chunk on a persistent
     connection. `actor`: Ray actor calls with Ray's streaming generators, where every chunk
     is a Ray object with an ownership round trip (slower per chunk)."""

@@ -3,9 +3,10 @@
 Serve's channel to a replica (its request router, a gRPC call, a replica task per request,
 one message per chunk) costs each request milliseconds under load: on one H100 with 128
 streams, 13–19 ms p50 to reach the engine replica and 4–5 ms back, against 3–5 ms and under
-1 ms here (docs/gpu.md section 8d), where vllm-router's whole way to `vllm serve` costs
-about one. Here the router POSTs the request straight to the replica's event loop, on a
-keep-alive connection, and reads the answer as it streams (engine/wire.py).
+1 ms here (docs/results.md, "The way to the first token on one H100"), where vllm-router's
+whole way to `vllm serve` costs about one. Here the router POSTs the request straight to the
+replica's event loop, on a keep-alive connection, and reads the answer as it streams
+(engine/wire.py).
 
 Only routers reach it: the bearer token goes to them in the probe's reply, over the Ray
 channel every request could already take. A request that arrives for another replica (a port

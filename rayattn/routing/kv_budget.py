@@ -5,7 +5,8 @@ When the live conversations' histories outgrow an engine's KV cache, vLLM admits
 request it is sent and evicts cached blocks least-recently-used to make room: a stream of
 new conversations pushes out the history of every conversation in its think time, and each
 next turn prefills its whole history again (measured on one H200: 0.000-0.07 of the oracle
-for every router alike, docs/gpu.md). Here the router keeps, per engine, the tokens of
+for every router alike, docs/log/gpu-kv-hierarchy.md). Here the router keeps, per engine,
+the tokens of
 
   * its running requests (what they add to the cache: their output, and the prompts of
     requests without a session), and
@@ -21,8 +22,8 @@ running admits anything (progress).
 
 An engine with a host-memory KV tier (engine.kv_offload) keeps the histories of quiet
 conversations there: evicting them from HBM costs a reload (a copy, ~0.2-0.6 of a prefill,
-docs/gpu.md), not a recompute. There, by default (router.kv_admission_protect: auto), only
-the histories of conversations with a turn in flight are protected, every request needs its
+docs/results.md), not a recompute. There, by default (router.kv_admission_protect: auto),
+only the histories of conversations with a turn in flight are protected, every request needs its
 whole prompt in HBM (a reload occupies HBM blocks like a prefill), and continuing
 conversations still go first; `live` keeps the strict rule above on such engines too.
 

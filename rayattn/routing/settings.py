@@ -65,10 +65,9 @@ class CoreFields(BaseModel):
     protected histories may fill (the rest is headroom for what the router cannot see:
     other routers' requests, output beyond max_tokens estimates, histories growing turn by
     turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
-    histories; one H200, doc_chat, histories growing 4.7k -> 7.6k tokens: 0.95 kept 0.35 of
-    the oracle, 0.7 kept 0.92 at 0.64x sticky routing's wall time, docs/gpu.md section 9),
-    0.95 on engines with one (engine.kv_offload: a history pushed out of HBM is reloaded,
-    not recomputed; 0.7 there cost 8 % of the output). Each engine's fill also backs off from
+    histories keep growing histories in HBM), 0.95 on engines with one (engine.kv_offload:
+    a history pushed out of HBM is reloaded, not recomputed); docs/results.md has the runs
+    that chose both. Each engine's fill also backs off from
     this ceiling while its live conversations come back to find their history evicted, and
     climbs back while they find it kept (routing/kv_budget.py; /health's
     `admission_fill`)."""
@@ -78,7 +77,7 @@ class CoreFields(BaseModel):
     new conversations wait until live ones go quiet). `running`: only those with a turn in
     flight, every prompt counted whole (quiet histories wait in the engine's host KV tier;
     admission then mostly runs continuing turns first). `auto`: `running` on engines with
-    a host tier (engine.kv_offload), else `live` (docs/gpu.md section 9 measures both)."""
+    a host tier (engine.kv_offload), else `live` (docs/results.md measures both)."""
     dp_rank_routing: bool = True
     """Engines that run DP ranks inside themselves (parallelism.dp_attention or
     engine_dp_size): route to each rank as a target of its own, by its own KV events and

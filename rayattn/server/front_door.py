@@ -4,7 +4,7 @@ With `RAY_SERVE_ENABLE_HA_PROXY=1` (Ray ≥ 2.60) HAProxy listens on Serve's HTT
 forwards each connection to a router replica's own HTTP server. Without it, every request
 and every streamed chunk crosses Serve's proxy actor and a Ray call between it and the
 router: on a fast engine that hop was most of rayattn's time to first token
-(docs/benchmarks.md, "The front door").
+(docs/results.md, "The front door on CPU").
 
 Ray reads the flag once, at import, in each of its processes, which inherit it from whatever
 started Ray: so it goes into that environment (`make serve`, the tests, `rayattn bench`, the

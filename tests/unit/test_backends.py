@@ -20,7 +20,7 @@ from rayattn.integrations import vllm_backends
 SEEDS = ["TRITON_ATTN", "ROCM_AITER_UNIFIED_ATTN", "ROCM_ATTN", "ROCM_AITER_FA", "TRITON_MLA",
          "ROCM_AITER_MLA", "ROCM_AITER_TRITON_MLA"]
 # Catalogued backends a supported vLLM older than CATALOG_VLLM may lack (vLLM 0.25 has
-# neither CPU MLA backend; seen on the H100/H200 runs, docs/gpu.md).
+# neither CPU MLA backend; seen on the H100/H200 runs, docs/log/gpu-first-run.md).
 NEWER_THAN_0_25 = {"AMX_MLA", "CPU_MLA"}
 
 INSTALLED = compat.vllm_version()

@@ -3,8 +3,8 @@
 Rule (rayattn/backends.py RAY_EXECUTOR_ENV, rayattn/config/plan.py): a single-GPU replica
 keeps Ray's per-replica device assignment (Ray sets CUDA_/HIP_/ROCR_VISIBLE_DEVICES for the
 replica actor and its engine core inherits it), so no RAY_EXPERIMENTAL_NOSET_* there: with it
-every DP rank of a node ran on device 0 (2 × H200, see docs/gpu.md). Only where vLLM's
-own Ray executor runs the workers (TP×PP > 1) is NOSET set, on ROCm, and copied to the
+every DP rank of a node ran on device 0 (2 × H200, see docs/log/gpu-first-run.md). Only where
+vLLM's own Ray executor runs the workers (TP×PP > 1) is NOSET set, on ROCm, and copied to the
 workers through VLLM_RAY_EXTRA_ENV_VARS_TO_COPY.
 """
 

@@ -16,7 +16,7 @@ until a running one ends, about `output` steps of the batch (the output requests
 measured; at most this request's max_tokens) for each place it waits for, even while an
 engine beside it on the same GPU has free places. Without that term four agents' shared
 prompts, each cached on one of two engines of one H100, kept 65 % of 128 sessions on one
-engine (docs/gpu.md section 12).
+engine (docs/log/gpu-one-gpu-contest.md, section 12).
 
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
@@ -77,7 +77,7 @@ class AffinityFields(BaseModel):
     reload_cost_fraction: float = Field(0.1, ge=0, le=1)
     """`affinity`: what reloading a cached token from an engine's host-memory KV tier
     (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
-    far cheaper than the model's compute (docs/gpu.md measures both on an H200); pricing it
+    far cheaper than the model's compute (docs/results.md measures both); pricing it
     above zero keeps a conversation on the replica whose HBM still holds it."""
 
 

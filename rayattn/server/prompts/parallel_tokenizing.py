@@ -45,7 +45,7 @@ PIECE_CHARS = 1024
 """One piece per this many characters of a longer text, as the free cores allow. Smaller
 pieces of a new document showed no gain with 64 prompts at once on a 16-core host, where
 eight router processes' Rust pools share the cores (first turns' p99 34 ms with pieces from
-256 characters against 32 ms from 1,024; two runs a side, docs/benchmarks.md)."""
+256 characters against 32 ms from 1,024; two runs a side, docs/log/cpu-router-hop.md)."""
 
 _CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 """Candidates for a cut: one plain space (U+0020) between word characters that are not
