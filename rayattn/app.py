@@ -30,7 +30,7 @@ class Engine(EngineReplica):
         # Serve lists a replica to the routers as soon as this returns: have vLLM's OpenAI
         # layer built by then, so that a router's first probe answers at once (during a
         # rolling update the next old replica is stopped the moment this one is listed).
-        await self._openai()
+        await self.openai.get()
 
 
 # Serve slots per engine kept free of generation for the routers' control calls.

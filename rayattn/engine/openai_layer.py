@@ -10,12 +10,13 @@ request did in the engine (rayattn/engine/observed.py) for the router and the me
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 from pydantic import ValidationError
@@ -208,3 +209,21 @@ async def _responses_sse(events: Any) -> AsyncIterator[str]:
 def _error_json(status: int, message: str) -> str:
     return json.dumps({"error": {"message": message, "type": "BadRequestError",
                                  "param": None, "code": status}})
+
+
+class LazyOpenAILayer:
+    """vLLM's OpenAI serving layer over an engine, built on first use (the router's first
+    probe): vLLM builds it with async calls, and Serve constructs replicas synchronously."""
+
+    def __init__(self, build: Callable[[], Awaitable[OpenAILayer]]) -> None:
+        self._build = build
+        self._layer: OpenAILayer | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> OpenAILayer:
+        if self._layer is not None:
+            return self._layer
+        async with self._lock:
+            if self._layer is None:
+                self._layer = await self._build()
+            return self._layer

@@ -136,8 +136,8 @@ def test_the_router_logs_its_renderers_patches_once(monkeypatch, caplog):
 @pytest.mark.parametrize("takes_rendered", [True, False])
 def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
         monkeypatch, caplog, takes_rendered):
-    from rayattn.config import plan
     from rayattn.engine import openai_layer
+    from rayattn.engine import replica as engine_replica
     from rayattn.engine.replica import EngineReplica
 
     layer = SimpleNamespace(takes_rendered=takes_rendered)
@@ -146,14 +146,18 @@ def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
         return layer
 
     monkeypatch.setattr(openai_layer.OpenAILayer, "create", create)
-    monkeypatch.setattr(plan, "frontend_kwargs", lambda cfg: {})
+    monkeypatch.setattr(engine_replica, "frontend_kwargs", lambda cfg: {})
     replica = SimpleNamespace(
-        _openai_layer=None, _openai_lock=asyncio.Lock(), cfg=None, engine=None,
-        plan=SimpleNamespace(adapters={}, engine_kwargs={}), replica_id="engine-1", rank=0,
-        metrics=None, _inflight_report=None, tracing=None)
+        cfg=None, engine=None, plan=SimpleNamespace(adapters={}, engine_kwargs={}),
+        replica_id="engine-1", rank=0, metrics=None,
+        inflight=SimpleNamespace(report=None), tracing=None)
+    lazy = openai_layer.LazyOpenAILayer(lambda: EngineReplica._build_openai(replica))
+
+    async def twice() -> tuple[object, object]:
+        return await lazy.get(), await lazy.get()
+
     with caplog.at_level(logging.INFO, logger="rayattn"):
-        assert asyncio.run(EngineReplica._openai(replica)) is layer
-        assert asyncio.run(EngineReplica._openai(replica)) is layer
+        assert asyncio.run(twice()) == (layer, layer)
     lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     assert len(lines) == 1 and lines[0].startswith("engine engine-1: ")
     assert ("render_once" in lines[0]) == takes_rendered
