@@ -16,6 +16,7 @@ from rayattn import backends, compat
 from rayattn.config import kv_capacity
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
 from rayattn.config.schema import RayAttnConfig
+from rayattn.integrations import vllm_engine
 from rayattn.integrations.vllm_parsers import parser_names
 from rayattn.routing import policies
 
@@ -316,13 +317,9 @@ def _check_declared_once(cfg: RayAttnConfig) -> list[str]:
 
 
 def _check_extra_kwargs(extra: dict[str, Any]) -> list[str]:
-    try:
-        import dataclasses
-
-        from vllm.engine.arg_utils import AsyncEngineArgs
-    except Exception:  # vLLM absent (e.g. rendering manifests on a laptop): skip the check
+    known = vllm_engine.engine_arg_names() if extra else None
+    if known is None:  # nothing to check, or vLLM absent (manifests rendered on a laptop)
         return []
-    known = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
     return [f"engine.extra_engine_kwargs: {k!r} is not an AsyncEngineArgs field"
             for k in extra if k not in known]
 

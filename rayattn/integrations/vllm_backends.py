@@ -9,8 +9,12 @@ import logging
 from typing import Any
 
 from rayattn import compat
+from rayattn.integrations import vllm_facts
 
 log = logging.getLogger(__name__)
+
+
+_TUPLES = ("head_sizes", "block_sizes", "kv_dtypes")
 
 
 @functools.lru_cache(maxsize=1)
@@ -18,11 +22,8 @@ def installed_backend_names() -> frozenset[str] | None:
     """Names of the installed vLLM's AttentionBackendEnum, or None without vLLM."""
     if compat.vllm_version() is None:
         return None
-    try:
-        from vllm.v1.attention.backends.registry import AttentionBackendEnum
-    except Exception:
-        return None
-    return frozenset(AttentionBackendEnum.__members__)
+    names = vllm_facts.cached("attention_backends", _read_names)
+    return frozenset(names) if names is not None else None
 
 
 @functools.cache
@@ -34,6 +35,20 @@ def backend_facts(name: str) -> dict[str, Any] | None:
     names = installed_backend_names()
     if not names or name not in names:
         return None
+    facts = vllm_facts.cached(f"attention_backend/{name}", lambda: _read_facts(name))
+    return None if facts is None else {k: tuple(v) if k in _TUPLES else v
+                                       for k, v in facts.items()}
+
+
+def _read_names() -> list[str] | None:
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum
+    except Exception:
+        return None
+    return sorted(AttentionBackendEnum.__members__)
+
+
+def _read_facts(name: str) -> dict[str, Any] | None:
     try:
         from vllm.v1.attention.backends.registry import AttentionBackendEnum
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from rayattn.integrations import vllm_facts
+
 
 def engine_args(engine_kwargs: dict[str, Any]) -> Any:
     """vLLM's AsyncEngineArgs from rayattn's engine arguments."""
@@ -41,3 +43,20 @@ def engine_crash_types() -> tuple[type[BaseException], ...]:
     except ImportError:  # pragma: no cover - vLLM layout differs
         return ()
     return (EngineDeadError,)
+
+
+def engine_arg_names() -> frozenset[str] | None:
+    """AsyncEngineArgs' field names (what engine.extra_engine_kwargs may set), or None
+    without vLLM."""
+    names = vllm_facts.cached("engine_args", _read_engine_arg_names)
+    return frozenset(names) if names is not None else None
+
+
+def _read_engine_arg_names() -> list[str] | None:
+    try:
+        import dataclasses
+
+        from vllm.engine.arg_utils import AsyncEngineArgs
+    except Exception:
+        return None
+    return sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import tempfile
 from pathlib import Path
+
+from rayattn.cache_dir import cache_root
 
 EMBEDDED_SCHEME = "rayattn://"
 EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-llama": "tiny-llama"}
@@ -23,9 +24,9 @@ GENERATED = {"tiny-llama": "llama"}
 _MARKER = "rayattn-prepared.json"
 
 
-def cache_root() -> Path:
-    """Where prepared models live; ``RAYATTN_CACHE`` overrides ``~/.cache/rayattn``."""
-    return Path(os.environ.get("RAYATTN_CACHE", Path.home() / ".cache" / "rayattn")) / "models"
+def models_dir() -> Path:
+    """Where prepared models live."""
+    return cache_root() / "models"
 
 
 def is_embedded(source: str) -> bool:
@@ -48,7 +49,7 @@ def _gguf_path() -> Path:
 
 
 def prepared_dir(name: str) -> Path:
-    return cache_root() / EMBEDDED_MODELS[name]
+    return models_dir() / EMBEDDED_MODELS[name]
 
 
 def resolve_embedded(source: str, prepare: bool = True) -> Path:

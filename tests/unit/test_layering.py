@@ -10,7 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "rayattn"
 
 # Lowest first: a module may import its own layer's packages and lower layers' only.
 LAYERS = [
-    {"ports"},
+    {"ports", "cache_dir"},
     {"compat"},  # the version differences, which everything touching vLLM or Ray asks
     {"integrations"},  # vLLM's and Ray's internals, one surface a module
     {"logs", "models", "metrics", "routing"},
