@@ -49,8 +49,8 @@ install)
     --tokenizer /tmp/gpuwhl/tok "$@"
   python3 -m rayattn.cli check "$TREE/deployments/h200.yaml" 2>&1 | grep -v Warn | tail -12
   # A snapshot carries its own tests/, deployments/ and pyproject.toml: test what will run.
-  python3 -m pytest -q -p no:cacheprovider tests/unit/test_backends.py tests/unit/test_config.py \
-    tests/unit/test_hashing.py tests/unit/test_placement.py tests/unit/test_compat.py \
+  python3 -m pytest -q -p no:cacheprovider tests/unit/test_backends.py tests/unit/config/test_plan.py \
+    tests/unit/routing/test_hashing.py tests/unit/config/test_placement.py tests/unit/test_compat.py \
     tests/unit/integrations 2>&1 \
     | tee "$OUT/unit-vllm025.log" | tail -25
   ;;

@@ -64,7 +64,7 @@ else
   git archive HEAD $paths | tar -x -C "$snap"
   own="rayattn/compat.py rayattn/integrations/devices.py rayattn/integrations/vllm_backends.py
        rayattn/backends.py rayattn/models/tiny.py deployments/h200.yaml
-       tests/unit/test_backends.py tests/unit/test_placement.py tests/unit/test_compat.py
+       tests/unit/test_backends.py tests/unit/config/test_placement.py tests/unit/test_compat.py
        tests/unit/integrations/test_devices.py"
   for f in $own; do cp "$f" "$snap/$f"; done
   { echo "snapshot of $(git rev-parse --short HEAD) + $(echo $own | wc -w) files of the GPU run, $(date -u +%FT%TZ)"

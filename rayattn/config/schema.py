@@ -23,7 +23,7 @@ from pydantic import (
 
 from rayattn.routing.settings import RouterFields, RoutingSettings
 
-# Mirrors vllm.config.cache.CacheDType (checked by tests/unit/test_config.py against the
+# Mirrors vllm.config.cache.CacheDType (checked by tests/unit/config/test_plan.py against the
 # installed vLLM) so that `rayattn check` works on machines without vLLM.
 KVCacheDType = Literal[
     "auto",

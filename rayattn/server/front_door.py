@@ -29,7 +29,7 @@ DEFAULT_SESSION_HEADER: str = RouterConfig.model_fields["session_header"].defaul
 
 def cluster_env(session_header: str = DEFAULT_SESSION_HEADER) -> dict[str, str]:
     """What the process that starts Ray needs in its environment (the Makefile and the
-    KubeRay manifests carry the same; tests/unit/test_front_door.py checks they agree).
+    KubeRay manifests carry the same; tests/unit/server/test_front_door.py checks they agree).
 
     With several router replicas, HAProxy picks one by a hash of the conversation's session
     header (`router.session_header`), so every turn of a conversation meets the router that

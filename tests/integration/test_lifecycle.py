@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.lifecycle]
 
 RAYATTN = str(Path(sys.executable).parent / "rayattn")
 RAY = str(Path(sys.executable).parent / "ray")
-# What the Makefile exports for `make serve` (tests/unit/test_front_door.py checks it does).
+# What the Makefile exports for `make serve` (tests/unit/server/test_front_door.py checks it does).
 MAKE_ENV = cluster_env.cluster_env()
 # Ray's and rayattn's processes, by name or command line.
 NAMES = ("haproxy", "raylet", "gcs_server", "ray::", "VLLM::", "rayattn.engine.reaper",

@@ -1,6 +1,6 @@
 """Pins: vLLM's prefix-cache block hashing as the router repeats it
 (rayattn/integrations/vllm_hashing.py, rayattn/routing/hashing.py). Parity of the hashes
-themselves: tests/unit/test_hashing.py."""
+themselves: tests/unit/routing/test_hashing.py."""
 
 from __future__ import annotations
 

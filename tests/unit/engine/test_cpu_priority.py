@@ -1,6 +1,6 @@
 """Ray's workers at normal priority, declared once (rayattn/engine/cpu_priority.py): set where
 rayattn starts Ray, asked for by its deployments, warned about where missing. (The Makefile
-and the KubeRay pods: tests/unit/test_front_door.py.)"""
+and the KubeRay pods: tests/unit/server/test_front_door.py.)"""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rayattn.engine import cpu_priority
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_apply_sets_normal_priority_and_keeps_an_operators_choice():

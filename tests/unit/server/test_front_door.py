@@ -14,7 +14,7 @@ from rayattn import cluster_env
 from rayattn.k8s.render import render_all
 from rayattn.server import front_door
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_apply_sets_the_flags_and_keeps_an_operators_choice():

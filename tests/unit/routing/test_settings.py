@@ -184,7 +184,7 @@ def _undocumented(cls: type[BaseModel]) -> list[str]:
 
 
 def test_every_routing_setting_is_documented():
-    """Like tests/unit/test_config.py's check of the schema: the doc strings are the
+    """Like tests/unit/config/test_plan.py's check of the schema: the doc strings are the
     reference, in the one place each setting is declared."""
     groups = [CoreFields, RoutingSettings, AffinityFields, RayPrefixFields]
     assert [m for g in groups for m in _undocumented(g)] == []

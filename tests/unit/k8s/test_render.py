@@ -17,7 +17,7 @@ from rayattn.config.loader import rayattn_apps
 from rayattn.config.plan import build_plan
 from rayattn.k8s.render import render_all
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 # KubeRay's CRDs are not part of this repository: CI points at its copy (.ci/run).
 _CRDS = os.environ.get("RAYATTN_KUBERAY_CRDS")
 SHARED = Path(_CRDS) if _CRDS else None

@@ -17,7 +17,7 @@ from rayattn.config.schema import KVCacheDType, PrefixCachingHashAlgo
 from rayattn.integrations.vllm_engine import config_objects
 from rayattn.integrations.vllm_parsers import parser_names
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 DEPLOYMENTS = sorted((ROOT / "deployments").glob("*.yaml"))
 
 
