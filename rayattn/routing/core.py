@@ -226,7 +226,7 @@ class RoutingCore:
         if index_changed:
             self.index = new_index(new, self._clock, self.routable)
         elif isinstance(self.index, EventIndex):
-            self.index.ttl_s = new.speculative_ttl_s  # for blocks sent from now on
+            self.index.overlay.ttl_s = new.speculative_ttl_s  # for blocks sent from now on
         self.kv.idle_s, self.kv.fill = new.conversation_idle_s, new.kv_admission_fill
         self.kv.protect = new.kv_admission_protect
         if index_changed or old.policy != new.policy or \
