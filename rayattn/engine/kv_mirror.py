@@ -18,12 +18,13 @@ import logging
 import shutil
 import tempfile
 import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
+from rayattn.engine.mirrored_blocks import MirroredBlocks
 from rayattn.integrations.vllm_kv_events import IPC_EVENT_MARK
-from rayattn.routing.kv_events import Snapshot, Tier, apply_batch, decoder
+from rayattn.routing.kv_events import Snapshot, apply_batch, decoder
 
 log = logging.getLogger("rayattn.engine")
 
@@ -126,14 +127,9 @@ class KVMirror:
         port = self._relay.bind_to_random_port(f"tcp://{relay_host}")
         self.endpoint = f"tcp://{relay_host}:{port}"
         """Where routers follow this engine's events (CurveZMQ, admitted keys only)."""
-        self._keys: dict[int, None] = {}
-        self._offloaded: Counter[int] = Counter()
-        """Host-tier blocks, counted: vLLM may announce one block in several chunks."""
+        self._blocks = MirroredBlocks()
         self._seq = -1
-        self._applying = -1
-        """The sequence number of the batch being applied."""
-        self._vllm_cleared = -1
-        """The last batch that carried vLLM's own AllBlocksCleared."""
+        """The sequence number of the last batch applied."""
         # Guards the view and the relay: a batch is applied and relayed as one step, and
         # reset() (on the replica's thread) clears and says so as one, so what routers are
         # told comes in the order the view changed. ZMQ allows a socket handed between
@@ -142,32 +138,6 @@ class KVMirror:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-mirror", daemon=True)
         self._thread.start()
-
-    # CacheSink, called with the lock held
-    def stored(self, keys: list[int], tier: Tier) -> None:
-        if tier == "gpu":
-            self._keys.update(dict.fromkeys(keys))
-        else:
-            self._offloaded.update(keys)
-
-    def removed(self, keys: list[int], tier: Tier) -> None:
-        if tier == "gpu":
-            for k in keys:
-                self._keys.pop(k, None)
-            return
-        for k in keys:
-            if self._offloaded[k] <= 1:
-                self._offloaded.pop(k, None)
-            else:
-                self._offloaded[k] -= 1
-
-    def cleared(self) -> None:
-        self._forget()
-        self._vllm_cleared = self._applying
-
-    def _forget(self) -> None:
-        self._keys.clear()
-        self._offloaded.clear()
 
     # Router access
     def admit(self, router_key: bytes) -> None:
@@ -199,9 +169,9 @@ class KVMirror:
         said anything itself. A `cleared` lost on the way has no sequence number to show the
         gap: the same bound holds.)"""
         with self._lock:
-            if self._vllm_cleared > mark or self._seq < 0:
+            if self._blocks.vllm_cleared > mark or self._seq < 0:
                 return  # past the reset already, or nothing was ever stored
-            self._forget()
+            self._blocks.forget()
             try:
                 self._publish((CLEARED_TOPIC.encode(), self._seq.to_bytes(8, "big"), b""))
             except Exception:
@@ -215,14 +185,14 @@ class KVMirror:
 
     def snapshot(self) -> Snapshot:
         with self._lock:
-            return Snapshot(self._seq, list(self._keys), list(self._offloaded.elements()))
+            return self._blocks.snapshot(self._seq)
 
     @property
     def offloaded_blocks(self) -> int:
-        return len(self._offloaded)
+        return self._blocks.offloaded_blocks
 
     def __len__(self) -> int:
-        return len(self._keys)
+        return len(self._blocks)
 
     def close(self) -> None:
         """Stop following and relaying: the mirror's thread closes its sockets itself as it
@@ -257,8 +227,8 @@ class KVMirror:
                 with self._lock:
                     if seq <= self._seq:
                         continue
-                    self._applying = seq
-                    apply_batch(batch, self)
+                    self._blocks.applying = seq
+                    apply_batch(batch, self._blocks)
                     self._seq = seq
                     self._publish(parts)
             except Exception:
@@ -285,8 +255,8 @@ class KVMirror:
             seq = int.from_bytes(frames[2], "big")
             if start <= seq < upto:
                 with self._lock:
-                    self._applying = seq
-                    apply_batch(dec.decode(frames[3]), self)
+                    self._blocks.applying = seq
+                    apply_batch(dec.decode(frames[3]), self._blocks)
                     self._seq = seq
                     self._publish((TOPIC.encode(), frames[2], frames[3]))
                 got += 1

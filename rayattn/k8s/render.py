@@ -27,6 +27,7 @@ import yaml
 from rayattn.cluster_env import cluster_env
 from rayattn.config.loader import app_args, load_serve_config, parse_models, rayattn_apps
 from rayattn.config.plan import HOST_RESERVE_GIB_PER_GPU, Plan, build_plan
+from rayattn.config.schema import RayAttnConfig
 
 RAY_VERSION = "2.60.0"
 DEFAULT_IMAGE = "ghcr.io/rayattn/rayattn-rocm:0.1.0"
@@ -188,51 +189,12 @@ def _worker_group(resource: str | None, plans: list[Plan], image: str,
 
 
 def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE) -> dict:
-    apps = rayattn_apps(serve_config)
-    plans = [build_plan(cfg) for _, cfg in apps]
-    plan = plans[0]
-    plat = plan.config.platform
-    if plat.kind != "rocm":
-        raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
-    headers = {p.config.router.session_header for p in plans}
-    if len(headers) > 1:
-        # One HAProxy per cluster hashes one header to pick a router (front_door.py).
-        raise ValueError(f"router.session_header: the applications of one cluster must agree "
-                         f"(HAProxy picks routers by one header); got {sorted(headers)}")
+    apps, plans = _checked_plans(serve_config)
     min_nodes, max_nodes = node_range(plans)
     # With engine autoscaling, Ray's autoscaler adds a worker node when Serve's new replica
     # cannot be placed and removes one left idle; without it the group is fixed.
     elastic = max_nodes > min_nodes
-    # No Ray Client port: it runs arbitrary code, and nothing here uses it.
-    head_ports = [{"containerPort": 6379, "name": "gcs-server"},
-                  {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
-                  {"containerPort": SERVE_PORT, "name": "serve"},
-                  {"containerPort": METRICS_PORT, "name": "metrics"}]
     labels = _pod_labels(name)
-    head = {
-        # The dashboard listens on the pod's interfaces for the KubeRay operator, which
-        # submits the Serve config through it; the NetworkPolicies admit only the operator.
-        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0",
-                           "metrics-export-port": str(METRICS_PORT),
-                           "resources": json.dumps({ROUTER_RESOURCE: 1})},
-        "template": {
-            "metadata": {"labels": labels},
-            "spec": {
-                # The head runs the Serve controller, proxy and router: no GPUs.
-                "containers": [_container("ray-head", image, plan, {
-                    "requests": {"cpu": "8", "memory": "32Gi"},
-                    "limits": {"cpu": "16", "memory": "64Gi"}}, head_ports, gpu=False)],
-                "volumes": _volumes(8),
-            }},
-    }
-    # One worker group per model of a multi-model application (its engines need the
-    # group's resource), one shared group for the rest.
-    groups: dict[str | None, list[Plan]] = {}
-    for (app_name, cfg), p in zip(apps, plans, strict=True):
-        groups.setdefault(engine_resource(cfg.model.name) if "/" in app_name else None,
-                          []).append(p)
-    workers = [_worker_group(resource, group, image, labels) for resource, group in
-               groups.items()]
     return {
         "apiVersion": "ray.io/v1", "kind": "RayService",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "rayattn",
@@ -254,9 +216,61 @@ def render_rayservice(serve_config: dict, name: str, image: str = DEFAULT_IMAGE)
                     # A GPU node that held a drained replica goes after 10 idle minutes
                     # (a new one takes minutes to join and load the model).
                     "idleTimeoutSeconds": 600, "upscalingMode": "Default"}} if elastic else {}),
-                "headGroupSpec": head, "workerGroupSpecs": workers},
+                "headGroupSpec": _head_group(plans[0], image, labels),
+                "workerGroupSpecs": _worker_groups(apps, plans, image, labels)},
         },
     }
+
+
+def _checked_plans(serve_config: dict) -> tuple[list[tuple[str, RayAttnConfig]], list[Plan]]:
+    """The rayattn applications of `serve_config` with their plans, refused where one
+    cluster cannot serve them."""
+    apps = rayattn_apps(serve_config)
+    plans = [build_plan(cfg) for _, cfg in apps]
+    if plans[0].config.platform.kind != "rocm":
+        raise ValueError("platform.kind: render-k8s targets AMD clusters (rocm)")
+    headers = {p.config.router.session_header for p in plans}
+    if len(headers) > 1:
+        # One HAProxy per cluster hashes one header to pick a router (front_door.py).
+        raise ValueError(f"router.session_header: the applications of one cluster must agree "
+                         f"(HAProxy picks routers by one header); got {sorted(headers)}")
+    return apps, plans
+
+
+def _head_group(plan: Plan, image: str, labels: dict[str, str]) -> dict:
+    # No Ray Client port: it runs arbitrary code, and nothing here uses it.
+    head_ports = [{"containerPort": 6379, "name": "gcs-server"},
+                  {"containerPort": DASHBOARD_PORT, "name": "dashboard"},
+                  {"containerPort": SERVE_PORT, "name": "serve"},
+                  {"containerPort": METRICS_PORT, "name": "metrics"}]
+    return {
+        # The dashboard listens on the pod's interfaces for the KubeRay operator, which
+        # submits the Serve config through it; the NetworkPolicies admit only the operator.
+        "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0",
+                           "metrics-export-port": str(METRICS_PORT),
+                           "resources": json.dumps({ROUTER_RESOURCE: 1})},
+        "template": {
+            "metadata": {"labels": labels},
+            "spec": {
+                # The head runs the Serve controller, proxy and router: no GPUs.
+                "containers": [_container("ray-head", image, plan, {
+                    "requests": {"cpu": "8", "memory": "32Gi"},
+                    "limits": {"cpu": "16", "memory": "64Gi"}}, head_ports, gpu=False)],
+                "volumes": _volumes(8),
+            }},
+    }
+
+
+def _worker_groups(apps: list[tuple[str, RayAttnConfig]], plans: list[Plan], image: str,
+                   labels: dict[str, str]) -> list[dict]:
+    """One worker group per model of a multi-model application (its engines need the
+    group's resource), one shared group for the rest."""
+    groups: dict[str | None, list[Plan]] = {}
+    for (app_name, cfg), p in zip(apps, plans, strict=True):
+        groups.setdefault(engine_resource(cfg.model.name) if "/" in app_name else None,
+                          []).append(p)
+    return [_worker_group(resource, group, image, labels) for resource, group in
+            groups.items()]
 
 
 def _pod_labels(name: str) -> dict[str, str]:

@@ -4,7 +4,9 @@ particular attention shape without a model hub."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 # Like Qwen3's: tools rendered into a system block, and `enable_thinking: false` (a
 # chat_template_kwargs) closing an empty think block, so tests can exercise vLLM's tool and
@@ -115,23 +117,38 @@ SHAPES: dict[str, dict] = {
 
 
 def make_shaped_model(arch: str, out: str | Path, tokenizer: str | Path | None = None,
-                      device: str | None = None, **overrides) -> Path:
+                      device: str | None = None, **overrides: Any) -> Path:
     """Random bf16 model of a real shape (`SHAPES`; `overrides` change any config field, e.g.
     num_hidden_layers=2 for a quick check). `tokenizer`: a directory whose tokenizer files are
     copied (its size must equal the vocabulary); else one is trained (~10 s for 32000)."""
-    import json
     import shutil
     import time
 
     import torch
-    from safetensors.torch import save_file
 
     if arch not in SHAPES:
         raise ValueError(f"unknown shaped architecture {arch!r}; known: {', '.join(SHAPES)}")
     t0 = time.time()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    shape = {**SHAPES[arch], **overrides}
+    cfg = _shaped_config(arch, {**SHAPES[arch], **overrides})
+    cfg.save_pretrained(out)
+    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    weights = _RandomWeights(cfg, dev, llama=arch.startswith("llama"))
+    total, shards = _save_shards(weights.shards(), out)
+    if tokenizer is not None:
+        for f in Path(tokenizer).iterdir():
+            if f.is_file() and not f.name.startswith(("config", "model")):
+                shutil.copy(f, out / f.name)
+    else:
+        _tokenizer(out, cfg.vocab_size)
+    print(f"{arch}: {total / 1e9:.2f}B parameters, bf16, {shards} shards in {out} "
+          f"({time.time() - t0:.1f} s on {dev})", flush=True)
+    return out
+
+
+def _shaped_config(arch: str, shape: dict[str, Any]) -> Any:
+    """The transformers config of `arch` (Llama or DeepSeek-V2) with `shape`, in bf16."""
     common = dict(rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=4, tie_word_embeddings=False)
     if arch.startswith("llama"):
         from transformers import LlamaConfig
@@ -144,54 +161,93 @@ def make_shaped_model(arch: str, out: str | Path, tokenizer: str | Path | None =
         cfg = DeepseekV2Config(**shape, **common)
         cfg.architectures = ["DeepseekV2ForCausalLM"]
     cfg.dtype = "bfloat16"
-    cfg.save_pretrained(out)
+    return cfg
 
-    dev = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    g = torch.Generator(device=dev).manual_seed(0)
 
-    def rnd(*s: int) -> torch.Tensor:
-        return (torch.randn(*s, generator=g, device=dev, dtype=torch.float32) * 0.02
-                ).to(torch.bfloat16).cpu()
+class _RandomWeights:
+    """A shaped model's weights, random (seeded: the same shape gives the same bytes), one
+    shard of tensors at a time so a large model never sits whole in memory. Drawn on `dev`
+    (a GPU draws a large model's weights far faster), kept on the host."""
 
-    def ones(n: int) -> torch.Tensor:
+    def __init__(self, cfg: Any, dev: str, llama: bool) -> None:
+        import torch
+
+        self.cfg, self.dev, self.llama = cfg, dev, llama
+        self.g = torch.Generator(device=dev).manual_seed(0)
+
+    def shards(self) -> list[Callable[[], dict[str, Any]]]:
+        """Makers of the shards' tensors, in the order they are drawn: embeddings and the
+        head first, then one shard per layer."""
+        cfg = self.cfg
+        parts: list[Callable[[], dict[str, Any]]] = [
+            lambda: {"model.embed_tokens.weight": self.rnd(cfg.vocab_size, cfg.hidden_size),
+                     "model.norm.weight": self.ones(cfg.hidden_size),
+                     "lm_head.weight": self.rnd(cfg.vocab_size, cfg.hidden_size)}]
+        parts += [lambda i=i: self.layer(i) for i in range(cfg.num_hidden_layers)]
+        return parts
+
+    def rnd(self, *s: int) -> Any:
+        import torch
+
+        return (torch.randn(*s, generator=self.g, device=self.dev, dtype=torch.float32)
+                * 0.02).to(torch.bfloat16).cpu()
+
+    def ones(self, n: int) -> Any:
+        import torch
+
         return torch.ones(n, dtype=torch.bfloat16)
 
-    def mlp(p: str, width: int) -> dict[str, torch.Tensor]:
-        h = cfg.hidden_size
-        return {f"{p}gate_proj.weight": rnd(width, h), f"{p}up_proj.weight": rnd(width, h),
-                f"{p}down_proj.weight": rnd(h, width)}
+    def mlp(self, p: str, width: int) -> dict[str, Any]:
+        h = self.cfg.hidden_size
+        return {f"{p}gate_proj.weight": self.rnd(width, h),
+                f"{p}up_proj.weight": self.rnd(width, h),
+                f"{p}down_proj.weight": self.rnd(h, width)}
 
-    def layer(i: int) -> dict[str, torch.Tensor]:
+    def layer(self, i: int) -> dict[str, Any]:
+        cfg = self.cfg
         p, h = f"model.layers.{i}.", cfg.hidden_size
-        sd = {p + "input_layernorm.weight": ones(h),
-              p + "post_attention_layernorm.weight": ones(h)}
-        a = p + "self_attn."
-        if arch.startswith("llama"):
-            hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-            sd |= {a + "q_proj.weight": rnd(nh * hd, h), a + "k_proj.weight": rnd(nkv * hd, h),
-                   a + "v_proj.weight": rnd(nkv * hd, h), a + "o_proj.weight": rnd(h, nh * hd)}
-            return sd | mlp(p + "mlp.", cfg.intermediate_size)
+        sd = {p + "input_layernorm.weight": self.ones(h),
+              p + "post_attention_layernorm.weight": self.ones(h)}
+        if self.llama:
+            return sd | self._gqa(p + "self_attn.") | self.mlp(p + "mlp.", cfg.intermediate_size)
+        sd |= self._mla(p + "self_attn.")
+        if i < cfg.first_k_dense_replace:
+            return sd | self.mlp(p + "mlp.", cfg.intermediate_size)
+        sd[p + "mlp.gate.weight"] = self.rnd(cfg.n_routed_experts, h)
+        for e in range(cfg.n_routed_experts):
+            sd |= self.mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
+        return sd | self.mlp(p + "mlp.shared_experts.",
+                             cfg.moe_intermediate_size * cfg.n_shared_experts)
+
+    def _gqa(self, a: str) -> dict[str, Any]:
+        cfg, h = self.cfg, self.cfg.hidden_size
+        hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+        return {a + "q_proj.weight": self.rnd(nh * hd, h),
+                a + "k_proj.weight": self.rnd(nkv * hd, h),
+                a + "v_proj.weight": self.rnd(nkv * hd, h),
+                a + "o_proj.weight": self.rnd(h, nh * hd)}
+
+    def _mla(self, a: str) -> dict[str, Any]:
+        cfg, h = self.cfg, self.cfg.hidden_size
         nh, r = cfg.num_attention_heads, cfg.kv_lora_rank
         qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
-        sd |= {a + "q_proj.weight": rnd(nh * qk, h),
-               a + "kv_a_proj_with_mqa.weight": rnd(r + cfg.qk_rope_head_dim, h),
-               a + "kv_a_layernorm.weight": ones(r),
-               a + "kv_b_proj.weight": rnd(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), r),
-               a + "o_proj.weight": rnd(h, nh * cfg.v_head_dim)}
-        if i < cfg.first_k_dense_replace:
-            return sd | mlp(p + "mlp.", cfg.intermediate_size)
-        sd[p + "mlp.gate.weight"] = rnd(cfg.n_routed_experts, h)
-        for e in range(cfg.n_routed_experts):
-            sd |= mlp(f"{p}mlp.experts.{e}.", cfg.moe_intermediate_size)
-        return sd | mlp(p + "mlp.shared_experts.",
-                        cfg.moe_intermediate_size * cfg.n_shared_experts)
+        return {a + "q_proj.weight": self.rnd(nh * qk, h),
+                a + "kv_a_proj_with_mqa.weight": self.rnd(r + cfg.qk_rope_head_dim, h),
+                a + "kv_a_layernorm.weight": self.ones(r),
+                a + "kv_b_proj.weight": self.rnd(nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                                 r),
+                a + "o_proj.weight": self.rnd(h, nh * cfg.v_head_dim)}
+
+
+def _save_shards(parts: list[Callable[[], dict[str, Any]]], out: Path) -> tuple[int, int]:
+    """Each part's tensors as one safetensors shard in `out`, with the index that maps every
+    tensor to its shard. Returns (parameters, shards)."""
+    import json
+
+    from safetensors.torch import save_file
 
     weight_map: dict[str, str] = {}
     total = 0
-    parts = [lambda: {"model.embed_tokens.weight": rnd(cfg.vocab_size, cfg.hidden_size),
-                      "model.norm.weight": ones(cfg.hidden_size),
-                      "lm_head.weight": rnd(cfg.vocab_size, cfg.hidden_size)}]
-    parts += [lambda i=i: layer(i) for i in range(cfg.num_hidden_layers)]
     for n, make in enumerate(parts):
         sd = make()
         fname = f"model-{n + 1:05d}-of-{len(parts):05d}.safetensors"
@@ -200,12 +256,4 @@ def make_shaped_model(arch: str, out: str | Path, tokenizer: str | Path | None =
         total += sum(t.numel() for t in sd.values())
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": 2 * total}, "weight_map": weight_map}, indent=1))
-    if tokenizer is not None:
-        for f in Path(tokenizer).iterdir():
-            if f.is_file() and not f.name.startswith(("config", "model")):
-                shutil.copy(f, out / f.name)
-    else:
-        _tokenizer(out, cfg.vocab_size)
-    print(f"{arch}: {total / 1e9:.2f}B parameters, bf16, {len(parts)} shards in {out} "
-          f"({time.time() - t0:.1f} s on {dev})", flush=True)
-    return out
+    return total, len(parts)

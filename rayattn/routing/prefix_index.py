@@ -12,12 +12,13 @@ Both satisfy `CacheIndex`, which is all the routing core and the policies use.
 
 from __future__ import annotations
 
-import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from rayattn.routing.block_owners import BlockOwners
+from rayattn.routing.host_tier import HostTier
+from rayattn.routing.speculative_overlay import SpeculativeOverlay
 
 
 class CacheIndex(Protocol):
@@ -149,29 +150,20 @@ class EventIndex:
     def __init__(self, ttl_s: float = 30.0, clock: Callable[[], float] | None = None) -> None:
         # No order is kept per replica: the engine, not this index, decides what goes.
         self._blocks: BlockOwners[dict[int, None]] = BlockOwners(dict)
-        self._host: dict[str, Counter[int]] = {}
-        """Per replica, the blocks of its host tier (vLLM's offloading connector), counted:
-        a block announced by several offloaded chunks leaves with the last of them."""
-        self.ttl_s = ttl_s
-        self._clock = clock or time.monotonic
-        self._spec: dict[int, dict[str, float]] = {}
-        # (expiry, key, replica) in insertion order, which is expiry order (one ttl, a
-        # monotonic clock): swept on every insert, so unconfirmed blocks (unique prompts,
-        # blocks evicted before their event) do not pile up.
-        self._expiry: deque[tuple[float, int, str]] = deque()
+        self._host = HostTier()
+        self.overlay = SpeculativeOverlay(ttl_s, clock)
 
     # --- membership ----------------------------------------------------------------
     def add_replica(self, replica: str, capacity_blocks: int = 0) -> None:
         """A new replica starts empty (its events fill it). `capacity_blocks` is not used:
         the engine evicts, and says so."""
         self._blocks.add_replica(replica)
-        self._host.setdefault(replica, Counter())
+        self._host.add_replica(replica)
 
     def remove_replica(self, replica: str) -> None:
         self._blocks.remove_replica(replica)
-        self._host.pop(replica, None)
-        for key in [k for k, owners in self._spec.items() if replica in owners]:
-            self._drop_spec(key, replica)
+        self._host.remove_replica(replica)
+        self.overlay.forget(replica)
 
     @property
     def replicas(self) -> list[str]:
@@ -181,10 +173,10 @@ class EventIndex:
         return self._blocks.size(replica)
 
     def speculative(self, replica: str) -> int | None:
-        return sum(1 for owners in self._spec.values() if replica in owners)
+        return self.overlay.count(replica)
 
     def offloaded(self, replica: str) -> int:
-        return len(self._host.get(replica, ()))
+        return self._host.size(replica)
 
     # --- queries -------------------------------------------------------------------
     def match(self, keys: Sequence[int]) -> dict[str, int]:
@@ -192,77 +184,36 @@ class EventIndex:
 
     def match_tiers(self, keys: Sequence[int]) -> tuple[dict[str, int], dict[str, int]]:
         """What vLLM's scheduler will find: the leading blocks in the engine's own cache,
-        then, from the first one missing there, the run its offloading connector holds
-        (it looks up the host tier only past the GPU hit, and reloads those blocks)."""
+        then, from the first one missing there, the run its offloading connector holds."""
         held = self._blocks.match(keys, self._owners_of)
-        reloaded: dict[str, int] = {}
-        for replica, host in self._host.items():
-            if not host:
-                continue
-            start = end = held.get(replica, 0)
-            while end < len(keys) and keys[end] in host:
-                end += 1
-            if end > start:
-                held[replica], reloaded[replica] = end, end - start
-        return held, reloaded
+        return held, self._host.extend(keys, held)
 
     def _owners_of(self, key: int) -> set[str] | None:
-        """The engines' owners of `key` and the overlay's live ones (expired ones go)."""
-        spec = self._spec.get(key)
-        truth = self._blocks.owners(key)
-        if not spec:
-            return truth
-        now = self._clock()
-        live = {r for r, exp in spec.items() if exp > now}
-        if len(live) < len(spec):
-            for r in [r for r, exp in spec.items() if exp <= now]:
-                self._drop_spec(key, r)
-        return (truth | live) if truth else live
+        return self.overlay.owners(key, self._blocks.owners(key))
 
     # --- the router's own decisions: the overlay --------------------------------------
     def insert(self, replica: str, keys: Sequence[int]) -> None:
-        if replica not in self._blocks:
-            return
-        now = self._clock()
-        self._sweep(now)
-        exp = now + self.ttl_s
-        for key in keys:
-            owners = self._blocks.owners(key)
-            if owners is None or replica not in owners:
-                self._spec.setdefault(key, {})[replica] = exp
-                self._expiry.append((exp, key, replica))
-
-    def _sweep(self, now: float) -> None:
-        q = self._expiry
-        while q and q[0][0] <= now:
-            exp, key, replica = q.popleft()
-            spec = self._spec.get(key)
-            if spec is not None and spec.get(replica) == exp:  # not renewed since
-                self._drop_spec(key, replica)
+        if replica in self._blocks:
+            self.overlay.insert(replica, keys, self._blocks.owners)
 
     # --- from the engine's events ----------------------------------------------------
     def stored(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
         if replica not in self._blocks:
             return
         if tier != "gpu":
-            self._host[replica].update(keys)
+            self._host.stored(replica, keys)
             return
         for key in keys:
             self._blocks.add(replica, key)
-            self._drop_spec(key, replica)
+            self.overlay.drop(key, replica)
 
     def removed(self, replica: str, keys: Sequence[int], tier: str = "gpu") -> None:
         if tier != "gpu":
-            host = self._host.get(replica)
-            for key in keys if host is not None else ():
-                if host[key] <= 1:
-                    host.pop(key, None)
-                else:
-                    host[key] -= 1
+            self._host.removed(replica, keys)
             return
         for key in keys:
             self._blocks.discard(replica, key)
-            self._drop_spec(key, replica)
+            self.overlay.drop(key, replica)
 
     def cleared(self, replica: str) -> None:
         self.reset(replica, [])
@@ -278,14 +229,7 @@ class EventIndex:
         if replica not in self._blocks:
             return  # it left (a feed's last snapshot can land after that)
         self._blocks.remove_replica(replica)
-        self._host.pop(replica, None)
+        self._host.remove_replica(replica)
         self.add_replica(replica)
         self.stored(replica, keys)
         self.stored(replica, offloaded, "cpu")
-
-    def _drop_spec(self, key: int, replica: str) -> None:
-        owners = self._spec.get(key)
-        if owners is not None:
-            owners.pop(replica, None)
-            if not owners:
-                del self._spec[key]

@@ -114,10 +114,35 @@ class Affinity(Policy):
         # Only the candidates' caches: a replica at its cap or already tried is not one.
         matches = {r: n for r, n in self.matches(req).items() if r in replicas}
         allowed = self.allowed(replicas)
+        floor = self.min_match_fraction * req.prompt_tokens
+        costs, slots = self._costs(req, allowed, matches, floor)
+        near = self._near(req, costs, matches, floor)
+        owner = req.previous
+        best_cached = max(matches, key=lambda r: matches[r]) if matches else None
+        if owner in near and len(near) > 1:
+            chosen, reason = owner, "session"
+        else:
+            key = self._tie_key(req, matches, best_cached in allowed)
+            chosen = rendezvous_rank(key, near)[0] if len(near) > 1 else near[0]
+            reason = "affinity_hit" if self.cached_tokens(req, matches.get(chosen, 0)) \
+                >= max(floor, 1) else "cold"
+        home = owner if owner in costs else best_cached if best_cached in costs else None
+        if home is not None and chosen != home and slots[home] > slots[chosen] and \
+                costs[home] - slots[home] <= costs[chosen] - slots[chosen]:
+            # The engine holding its history (or the longest cached prefix) was past its
+            # batch: the wait for a place there outweighed the recompute elsewhere.
+            reason = "batch_wait"
+        if best_cached is not None and best_cached not in allowed:
+            reason = "load_guard"
+        return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
+
+    def _costs(self, req: RouteRequest, allowed: list[str], matches: dict[str, int],
+               floor: float) -> tuple[dict[str, float], dict[str, float]]:
+        """Each allowed replica's predicted cost (the module's formula), and of it the wait
+        for a place in its batch."""
         c = self.cost
         costs: dict[str, float] = {}
         slots: dict[str, float] = {}
-        floor = self.min_match_fraction * req.prompt_tokens
         device_load = self.load.device_load()
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
@@ -135,53 +160,46 @@ class Affinity(Policy):
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
                         + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
                         + self._adapter_cost(req, r))
+        return costs, slots
+
+    def _near(self, req: RouteRequest, costs: dict[str, float], matches: dict[str, int],
+              floor: float) -> list[str]:
+        """The replicas whose costs are indistinguishable from the best one's, narrowed to
+        those holding the request's adapter and, when none holds a prefix worth keeping, to
+        the least busy."""
         best = min(costs.values())
         # Costs within a few percent are indistinguishable given the model's error; decide
         # those deterministically so conversations and independent routers stay put.
-        tol = max(best * 0.05, c.decode_s_per_request * 0.5)
+        tol = max(best * 0.05, self.cost.decode_s_per_request * 0.5)
         near = [r for r, v in costs.items() if v <= best + tol]
         if req.adapter is not None:
             # Among near-equal engines, one that has the adapter loaded: on a slow engine
             # the load is within the model's error, and its requests would still scatter
             # the adapter over every engine's LoRA slots.
             near = [r for r in near if self.adapters.holds(r, req.adapter)] or near
-        owner = req.previous
-        best_cached = max(matches, key=lambda r: matches[r]) if matches else None
         if len(near) > 1 and not any(self.cached_tokens(req, matches.get(r, 0)) >= max(floor, 1)
                                      for r in near):
-            # Nothing to keep: a new conversation goes to the least busy engine first. The
-            # cost ties engines that share a GPU (one queue of compute), but each has its own
-            # KV cache and batch, and a conversation placed on the fuller one is the first
-            # its LRU evicts (seen: 72/56 conversations by hash, every run the same).
-            # Between engines of one GPU, this router's own requests first: they are exact,
-            # while the other routers' come from reports of different ages per engine,
-            # which in a burst steered every router the same way (4 routers, one H100:
-            # 51/77 conversations); each router even on its own keeps the sum even. Across
-            # GPUs the cost already weighs every router's load, and the total decides.
-            one_gpu = len({self.load.device.get(r) for r in near}) == 1 and \
-                self.load.device.get(near[0]) is not None
+            near = self._least_busy(near)
+        return near
 
-            def busy(r: str) -> tuple[int, int]:
-                return (self.load.local.get(r, 0) if one_gpu else 0, self.load.inflight[r])
+    def _least_busy(self, near: list[str]) -> list[str]:
+        """Nothing to keep: a new conversation goes to the least busy engine first. The cost
+        ties engines that share a GPU (one queue of compute), but each has its own KV cache
+        and batch, and a conversation placed on the fuller one is the first its LRU evicts
+        (seen: 72/56 conversations by hash, every run the same). Between engines of one GPU,
+        this router's own requests first: they are exact, while the other routers' come from
+        reports of different ages per engine, which in a burst steered every router the same
+        way (4 routers, one H100: 51/77 conversations); each router even on its own keeps the
+        sum even. Across GPUs the cost already weighs every router's load, and the total
+        decides."""
+        one_gpu = len({self.load.device.get(r) for r in near}) == 1 and \
+            self.load.device.get(near[0]) is not None
 
-            fewest = min(busy(r) for r in near)
-            near = [r for r in near if busy(r) == fewest]
-        if owner in near and len(near) > 1:
-            chosen, reason = owner, "session"
-        else:
-            key = self._tie_key(req, matches, best_cached in allowed)
-            chosen = rendezvous_rank(key, near)[0] if len(near) > 1 else near[0]
-            reason = "affinity_hit" if self.cached_tokens(req, matches.get(chosen, 0)) \
-                >= max(floor, 1) else "cold"
-        home = owner if owner in costs else best_cached if best_cached in costs else None
-        if home is not None and chosen != home and slots[home] > slots[chosen] and \
-                costs[home] - slots[home] <= costs[chosen] - slots[chosen]:
-            # The engine holding its history (or the longest cached prefix) was past its
-            # batch: the wait for a place there outweighed the recompute elsewhere.
-            reason = "batch_wait"
-        if best_cached is not None and best_cached not in allowed:
-            reason = "load_guard"
-        return Decision(chosen, reason, self.cached_tokens(req, matches.get(chosen, 0)), costs)
+        def busy(r: str) -> tuple[int, int]:
+            return (self.load.local.get(r, 0) if one_gpu else 0, self.load.inflight[r])
+
+        fewest = min(busy(r) for r in near)
+        return [r for r in near if busy(r) == fewest]
 
     def _slot_wait(self, req: RouteRequest, replica: str) -> float:
         """Waiting for a place in `replica`'s own batch: for each place this request waits

@@ -88,7 +88,7 @@ class KVFeeds:
              handle: Any, rank: int = 0) -> None:
         """Follow target `name`: DP rank `rank` of the engine replica behind `handle`."""
         self.leave(name)
-        if self.core.index_mode != "events":
+        if self.core.settings.index != "events":
             return
         if not endpoint:
             log.error("engine %s publishes no KV events (engine.kv_events off?): the router "

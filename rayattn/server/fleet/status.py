@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayattn.routing.core import CoreSnapshot
+from rayattn.routing.snapshot import CoreSnapshot
 from rayattn.routing.targets import split
 from rayattn.server.fleet.replica_set import Replica
 from rayattn.server.fleet.view import FleetView, capacity, devices

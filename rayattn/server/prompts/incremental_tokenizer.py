@@ -184,57 +184,75 @@ def install(tokenizer: Any) -> Counts | None:
         return None
     # Longest first: one token's text may contain another's.
     pattern = re.compile("|".join(map(re.escape, sorted(names, key=len, reverse=True))))
-    heads, counts = HeadCache(), Counts()
-    base = type(tokenizer)
-    piece_tokenizer = parallel_tokenizing.install(tokenizer)
-    # Where add_special_tokens=True adds nothing, a text's ids are the same either way: it
-    # may be tokenized in pieces or whole by the piece tokenizer's backend (neither adds any).
-    adds_nothing = piece_tokenizer is not None and \
-        list(base.__call__(tokenizer, "x", add_special_tokens=True)["input_ids"]) == \
-        list(base.__call__(tokenizer, "x", add_special_tokens=False)["input_ids"])
-
-    def own_ids(self: Any, text: str, special: bool) -> tuple[list[int], bool]:
-        """The tokenizer's own ids for text, and whether they were tokenized in pieces."""
-        if piece_tokenizer is not None and (adds_nothing or not special):
-            ids = piece_tokenizer.ids(text)
-            if ids is not None:
-                return ids, True
-            return piece_tokenizer.whole(text), False
-        return list(base.__call__(self, text, add_special_tokens=special)["input_ids"]), False
+    reuse = _HeadReuse(type(tokenizer), pattern, parallel_tokenizing.install(tokenizer),
+                       tokenizer)
 
     def __call__(self: Any, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        return reuse.call(self, text, *args, **kwargs)
+
+    patches.swap_tokenizer_call(tokenizer, __call__)
+    return reuse.counts
+
+
+class _HeadReuse:
+    """The swapped-in __call__'s work: a prompt's ids are a known head's (up to its last
+    boundary token) plus the rest's, tokenized alone."""
+
+    def __init__(self, base: type, pattern: re.Pattern[str], piece_tokenizer: Any,
+                 tokenizer: Any) -> None:
+        self.base, self.pattern, self.piece_tokenizer = base, pattern, piece_tokenizer
+        self.heads, self.counts = HeadCache(), Counts()
+        # Where add_special_tokens=True adds nothing, a text's ids are the same either way:
+        # it may be tokenized in pieces or whole by the piece tokenizer's backend (neither
+        # adds any).
+        self.adds_nothing = piece_tokenizer is not None and \
+            list(base.__call__(tokenizer, "x", add_special_tokens=True)["input_ids"]) == \
+            list(base.__call__(tokenizer, "x", add_special_tokens=False)["input_ids"])
+
+    def own_ids(self, tok: Any, text: str, special: bool) -> tuple[list[int], bool]:
+        """The tokenizer's own ids for text, and whether they were tokenized in pieces."""
+        if self.piece_tokenizer is not None and (self.adds_nothing or not special):
+            ids = self.piece_tokenizer.ids(text)
+            if ids is not None:
+                return ids, True
+            return self.piece_tokenizer.whole(text), False
+        return list(self.base.__call__(tok, text, add_special_tokens=special)["input_ids"]), \
+            False
+
+    def call(self, tok: Any, text: Any = None, *args: Any, **kwargs: Any) -> Any:
+        base = self.base
         if args or not isinstance(text, str) or not set(kwargs) <= _ARGS \
                 or not _plain(kwargs):
-            return base.__call__(self, text, *args, **kwargs)
+            return base.__call__(tok, text, *args, **kwargs)
         special = bool(kwargs.get("add_special_tokens", True))
-        cuts = [m.end() for m in pattern.finditer(text)]
+        cuts = [m.end() for m in self.pattern.finditer(text)]
         if not cuts:
-            return base.__call__(self, text, **kwargs)
+            return base.__call__(tok, text, **kwargs)
         keys = _head_keys(text, cuts, special)
-        head, at = None, 0
-        for i in range(len(cuts) - 1, -1, -1):
-            head = heads.get(keys[i])
-            if head is not None:
-                at = cuts[i]
-                break
+        head, at = self._known_head(keys, cuts)
         if head is None:
-            ids, pieced = own_ids(self, text, special)
-            counts.add(0, len(ids), len(ids) if pieced else 0)
+            ids, pieced = self.own_ids(tok, text, special)
+            self.counts.add(0, len(ids), len(ids) if pieced else 0)
         else:
-            tail, pieced = own_ids(self, text[at:], False)
+            tail, pieced = self.own_ids(tok, text[at:], False)
             ids = head.tolist() + tail
-            counts.add(len(head), len(tail), len(tail) if pieced else 0)
+            self.counts.add(len(head), len(tail), len(tail) if pieced else 0)
         limit = kwargs.get("max_length") if kwargs.get("truncation") else None
         if limit is not None and len(ids) > limit:
             # Longer than vLLM lets through: its own call, truncation and error included.
-            return base.__call__(self, text, **kwargs)
+            return base.__call__(tok, text, **kwargs)
         if cuts[-1] > at:  # the next turn starts from this prompt's last boundary
-            tail_len = len(own_ids(self, text[cuts[-1]:], False)[0])
-            heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
+            tail_len = len(self.own_ids(tok, text[cuts[-1]:], False)[0])
+            self.heads.put(keys[-1], array("i", ids[:len(ids) - tail_len]))
         return _encoding(ids)
 
-    patches.swap_tokenizer_call(tokenizer, __call__)
-    return counts
+    def _known_head(self, keys: list[Key], cuts: list[int]) -> tuple[array | None, int]:
+        """The longest known head of the text and where it ends (None, 0: none known)."""
+        for i in range(len(cuts) - 1, -1, -1):
+            head = self.heads.get(keys[i])
+            if head is not None:
+                return head, cuts[i]
+        return None, 0
 
 
 def _encoding(ids: list[int]) -> Any:

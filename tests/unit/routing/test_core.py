@@ -134,7 +134,7 @@ def test_reconfigure_rebuilds_only_on_a_setting_the_policy_reads():
     c.reconfigure(RouterConfig(index="predicted", load_slack=9).routing_settings())
     assert c.policy is not pol and c.policy.slack == 9
     assert c.reconfigure(c.settings.replace(index="events"))  # the caller re-feeds
-    assert c.index_mode == "events" and set(c.index.replicas) == {"a", "b"}
+    assert c.settings.index == "events" and set(c.index.replicas) == {"a", "b"}
 
 
 def test_block_size_from_the_first_engine_and_mismatches_refused():
@@ -213,22 +213,22 @@ def test_a_conversations_next_turn_hashes_only_its_new_blocks():
     fresh = core()
     turn1 = prompt(10)
     r1 = c.request(turn1, session="s")
-    assert c.hashed_blocks == 10
+    assert c.keys.hashed_blocks == 10
     d = c.choose(r1, ["a"])
     c.dispatched(d, r1)
     answer = list(range(500, 500 + 3 * BS))
     c.finished(d, r1, Finished(len(turn1), 0, answer, {}))
     c.ended(d)
     turn2 = turn1 + answer + [7] * (4 * BS)
-    before = c.hashed_blocks
+    before = c.keys.hashed_blocks
     r2 = c.request(turn2, session="s")
     # The answer's blocks were hashed when the first turn finished: only the new user text.
-    assert c.hashed_blocks - before == 4
+    assert c.keys.hashed_blocks - before == 4
     assert r2.keys == fresh.request(turn2).keys  # exactly what hashing from scratch gives
     # A history edited in its 4th block: the first three blocks are reused, no more.
     edited = list(turn2)
     edited[3 * BS + 1] = 99_999
-    before = c.hashed_blocks
+    before = c.keys.hashed_blocks
     r3 = c.request(edited, session="s")
     assert r3.keys == fresh.request(edited).keys
-    assert c.hashed_blocks - before == len(edited) // BS - 3
+    assert c.keys.hashed_blocks - before == len(edited) // BS - 3

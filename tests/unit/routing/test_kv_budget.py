@@ -244,7 +244,7 @@ def test_the_core_learns_from_its_event_index_and_only_with_admission_on():
             core.ended(d)
             now[0] += 2.0  # past the speculative entries: the index is the engine's events
             cached = prompt + output[:-1]  # what vLLM caches: all but the last token's KV
-            keys = [to_key(h) for h in core.hasher.full_hashes(cached)]
+            keys = [to_key(h) for h in core.keys.hasher.full_hashes(cached)]
             core.index.stored("e0", keys)
             if turn == 0:
                 assert route.continued_tokens == 0

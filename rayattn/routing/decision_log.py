@@ -1,0 +1,59 @@
+"""What the core's decisions did to conversations: where each one's previous turn went, and
+the router's own regret by the decision's reason (/health, the simulator's reports)."""
+
+from __future__ import annotations
+
+from collections import Counter, OrderedDict
+
+from rayattn.routing.policies import Decision, RouteRequest, cached_tokens
+
+# Conversations whose last replica the core remembers (a name each).
+LAST_REPLICAS = 100_000
+
+
+class DecisionLog:
+    def __init__(self, last_replicas: int = LAST_REPLICAS) -> None:
+        self._last_replicas = last_replicas
+        self._last_replica: OrderedDict[str, str] = OrderedDict()
+        """Where each recent conversation's previous turn went (bounded)."""
+        self.regret_tokens: Counter[str] = Counter()
+        """By decision reason: prompt tokens recomputed that another candidate held."""
+        self.session_moves: Counter[str] = Counter()
+        """By decision reason: conversations sent elsewhere than their previous turn."""
+
+    def previous(self, session: str) -> str | None:
+        """Where `session`'s previous turn went, if it is remembered."""
+        return self._last_replica.get(session)
+
+    def record(self, d: Decision, route: RouteRequest, candidates: list[str],
+               block_size: int, retry: bool) -> None:
+        """`d` was chosen for `route` among `candidates`. A retry's choice (an earlier
+        attempt's replica failed) is not the router's to account as a move or a regret."""
+        if not retry:
+            self._account(d, route, candidates, block_size)
+        if route.session:
+            self._last_replica[route.session] = d.replica
+            self._last_replica.move_to_end(route.session)
+            if len(self._last_replica) > self._last_replicas:
+                self._last_replica.popitem(last=False)
+
+    def _account(self, d: Decision, route: RouteRequest, candidates: list[str],
+                 block_size: int) -> None:
+        """The router's own regret, by the decision's reason: prompt tokens another
+        candidate held beyond the chosen one's, and conversations moved off the replica of
+        their previous turn while it was a candidate."""
+        matches = route.held or {}
+        held = max((matches.get(r, 0) for r in candidates), default=0)
+        best = cached_tokens(route.prompt_tokens, held, block_size)
+        d.regret_tokens = max(0, best - d.predicted_cached_tokens)
+        if d.regret_tokens:
+            self.regret_tokens[d.reason] += d.regret_tokens
+        if route.previous in candidates and route.previous != d.replica:
+            d.moved_from = route.previous
+            self.session_moves[d.reason] += 1
+
+    def clear(self) -> None:
+        """Cold start: no conversation's previous turn is anywhere now, and no regret yet."""
+        self._last_replica.clear()
+        self.regret_tokens.clear()
+        self.session_moves.clear()
