@@ -2,8 +2,8 @@
 
 We call vLLM's own `hash_block_tokens` with the engines' hash function and the same
 PYTHONHASHSEED-derived NONE_HASH, so a block the router indexes is the block the engine
-caches (tests/unit/routing/test_hashing.py checks parity with vLLM's request block hasher). Index keys
-are the low 64 bits of the hash as an int, exactly what vLLM's KV events carry
+caches (tests/unit/routing/test_hashing.py checks parity with vLLM's request block
+hasher). Index keys are the low 64 bits of the hash as an int, exactly what vLLM's KV events carry
 (`maybe_convert_block_hash`), so events from the engines and the router's own predictions
 land on the same keys.
 """

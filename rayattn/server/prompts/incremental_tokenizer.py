@@ -15,8 +15,8 @@ tails (punctuation, combining marks, other special tokens) and both `add_special
 settings. Otherwise (and for any call with other arguments: offsets, a batch, pairs, HF's
 implied truncation) the tokenizer runs as vLLM configured it. Since the engine serves the
 router's ids (render once), an id off here would change the answer: the tests compare every
-result with the plain tokenizer (tests/unit/server/prompts/test_incremental_tokenizer.py). What is still
-tokenized (a new prompt, a long new turn) goes in pieces on several cores where
+result with the plain tokenizer (tests/unit/server/prompts/test_incremental_tokenizer.py).
+What is still tokenized (a new prompt, a long new turn) goes in pieces on several cores where
 parallel_tokenizing.py finds that exact too."""
 
 from __future__ import annotations
