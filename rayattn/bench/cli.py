@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import sys
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from rayattn.routing.policies import REGISTRY
@@ -99,7 +102,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
     import yaml
     from transformers import AutoTokenizer
 
-    from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
     from rayattn.bench.report import write_run
     from rayattn.bench.workloads import (
         agent_loop,
@@ -117,10 +119,13 @@ def cmd_bench(a: argparse.Namespace) -> int:
     for peer in peers:
         if peer not in PEERS:
             raise SystemExit(f"--peer: unknown peer {peer!r} (one of {', '.join(PEERS)})")
+        peer_module(PEER_MODULES[peer])
+    ray_llm_policies = peer_module(PEER_MODULES["ray-serve-llm"]).RAY_LLM_POLICIES \
+        if "ray-serve-llm" in peers else {}
     for pol in a.ray_llm_policies.split(",") if "ray-serve-llm" in peers else []:
-        if pol not in RAY_LLM_POLICIES:
+        if pol not in ray_llm_policies:
             raise SystemExit(f"--ray-llm-policies: unknown policy {pol!r} "
-                             f"(one of {', '.join(RAY_LLM_POLICIES)})")
+                             f"(one of {', '.join(ray_llm_policies)})")
 
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
                                              seed=a.seed),
@@ -291,13 +296,13 @@ def stop_local() -> None:
 def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict) -> None:
     import yaml
 
-    from rayattn.bench.peer import PeerStack
     from rayattn.config.loader import rayattn_apps
     from rayattn.config.plan import build_plan
 
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
     plan = build_plan(cfg, prepare_model=True)
-    stack = PeerStack(plan, a.peer_port, Path(a.out) / "peer-logs")
+    stack = peer_module(PEER_MODULES["vllm-router"]).PeerStack(plan, a.peer_port,
+                                                              Path(a.out) / "peer-logs")
     try:
         took = stack.start_engines()
         print(f"{plan.replicas} vllm serve engines up in {took:.1f}s")
@@ -316,14 +321,13 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
                      raw: dict) -> None:
     import yaml
 
-    from rayattn.bench.ray_llm_peer import RayServeLLMStack
     from rayattn.config.loader import rayattn_apps
     from rayattn.config.plan import build_plan
 
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
     policies = a.ray_llm_policies.split(",")
-    stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port,
-                             tuple(policies))
+    stack = peer_module(PEER_MODULES["ray-serve-llm"]).RayServeLLMStack(
+        build_plan(cfg, prepare_model=True), a.model, a.peer_port, tuple(policies))
     try:
         stack.start()
 
@@ -339,8 +343,45 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
         stack.stop()
 
 
+def peer_dirs() -> list[Path]:
+    """Where the peers' launchers may be: bench/peers/ of the repository checkout this
+    package is imported from (an editable install or the checkout's own directory), then
+    of the current directory. They start rival stacks for benchmarks only, so they are
+    kept out of the installed package."""
+    dirs = [Path(__file__).resolve().parents[2] / "bench" / "peers",
+            Path.cwd().resolve() / "bench" / "peers"]
+    return list(dict.fromkeys(dirs))
+
+
+def peer_module(name: str) -> ModuleType:
+    """bench/peers/<name>.py of a rayattn repository checkout, imported by its path."""
+    key = f"rayattn_bench_peers.{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    path = next((d / f"{name}.py" for d in peer_dirs() if (d / f"{name}.py").is_file()), None)
+    if path is None:
+        raise SystemExit(
+            f"--peer: the peers' launchers come from a rayattn repository checkout, not the "
+            f"installed package; no bench/peers/{name}.py in "
+            f"{' or '.join(str(d.parents[1]) for d in peer_dirs())}. Run from a checkout "
+            f"(its root as the current directory) or install rayattn from one (`pip install "
+            f"-e .`).")
+    spec = importlib.util.spec_from_file_location(key, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
+
+
 # The rivals `--peer` can start, each on the deployment's engine settings.
 PEERS = {"vllm-router": run_peer, "ray-serve-llm": run_ray_llm_peer}
+# Their launchers: bench/peers/<module>.py of the repository checkout.
+PEER_MODULES = {"vllm-router": "vllm_router", "ray-serve-llm": "ray_serve_llm"}
 
 
 def score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
@@ -524,7 +565,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--peer", help="rivals to run after rayattn in the same run, on the same "
                                   "engine settings: vllm-router (in front of `vllm serve` "
                                   "engines), ray-serve-llm (Ray Serve LLM's OpenAI app); "
-                                  "comma-separated")
+                                  "comma-separated; their launchers come from a repository "
+                                  "checkout's bench/peers/")
     b.add_argument("--peer-policies", default="cache_aware,sticky_least_loaded",
                    help="vllm-router policies (also: consistent_hash, power_of_two, ...)")
     b.add_argument("--ray-llm-policies", default="prefix_cache_affinity",
