@@ -17,6 +17,7 @@ import aiohttp
 
 from rayattn.bench.stats import percentile
 from rayattn.bench.workloads import Conversation, Workload
+from rayattn.server.loop_watch import LoopWatch
 
 
 @dataclass
@@ -204,8 +205,6 @@ async def _run_workload(url: str | list[str], model: str, workload: Workload, *,
                     await asyncio.sleep(pause.uniform(0, think_s))
 
     # The client's own stalls: a stalled client delays the TTFT it measures.
-    from rayattn.server.loop_watch import LoopWatch
-
     watch = LoopWatch()
     watch.start()
     # aiohttp, as vLLM's own benchmark client. httpx's connection pool re-scans every

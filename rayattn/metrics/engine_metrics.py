@@ -129,6 +129,7 @@ def _inc(counter: rm.Counter, value: float, tags: dict[str, str]) -> None:
 def make_step_logger_factory(metrics: EngineMetrics):
     """A vLLM stat logger that turns vLLM's per-iteration details (shipped from the engine
     core with the outputs it already sends, so no extra channel) into step-split metrics."""
+    # vLLM: only the engine replica builds the logger; the router imports this module too.
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class PathStepLogger(StatLoggerBase):

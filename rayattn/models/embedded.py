@@ -15,6 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from rayattn.models.tiny import make_tiny_model
+
 EMBEDDED_SCHEME = "rayattn://"
 EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-llama": "tiny-llama"}
 # Made here with random weights (rayattn/models/tiny.py): a second small base model for
@@ -70,8 +72,6 @@ def resolve_embedded(source: str, prepare: bool = True) -> Path:
 def prepare_generated(arch: str, out: Path) -> Path:
     """A tiny random-weight model of `arch` in `out` (idempotent; several processes may
     prepare it at once: each writes its own directory and the first rename wins)."""
-    from rayattn.models.tiny import make_tiny_model
-
     stamp = {"generated": arch, "format": 1}
     if _stamped(out, stamp):
         return out
@@ -101,6 +101,7 @@ def prepare_smollm2(out: Path) -> Path:
     if marker.exists() and json.loads(marker.read_text()) == stamp:
         return out
 
+    # torch and transformers: only preparing SmolLM2 needs them.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

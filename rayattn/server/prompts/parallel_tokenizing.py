@@ -155,6 +155,7 @@ class PieceTokenizer:
     None where a text is better tokenized the usual way."""
 
     def __init__(self, spec: str) -> None:
+        # tokenizers comes with vLLM: only a router that renders prompts loads it.
         from tokenizers import Tokenizer
 
         # A copy of its own, only ever read: transformers' __call__ sets truncation and
