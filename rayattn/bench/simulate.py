@@ -29,7 +29,7 @@ engine's waiting queue, the engine replica takes it in, one request at a time,
 `frontend_s` each; `hop_s` is added to every first token (proxy, engine calls, streaming).
 
 Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
-from the command line (docs/results.md has the H200 ones).
+from the command line (docs/results.md has fitted ones, with their commands).
 
 Two drivers: an open loop (each request's `arrival` is fixed) and a closed loop like
 `rayattn bench` (`concurrency` conversations at a time, a conversation's next turn

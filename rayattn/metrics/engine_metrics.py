@@ -13,7 +13,8 @@ from typing import Any
 
 from ray.util import metrics as rm
 
-# From ~1 ms (MI300X decode steps) to minutes (CPU prefill of long prompts under load).
+# From a fast GPU's decode step (a millisecond) to minutes (CPU prefill of long prompts under
+# load).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                    2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84]
 # dp_rank: the replica's rank among the engine replicas (rayattn's DP); engine_rank: the DP
