@@ -12,6 +12,7 @@ CLI import `rayattn.*` modules without pulling in Ray Serve.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 _PUBLIC = {
@@ -31,7 +32,5 @@ __all__ = sorted(_PUBLIC)
 
 def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
-        import importlib
-
         return getattr(importlib.import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'rayattn' has no attribute {name!r}")

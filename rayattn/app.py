@@ -7,11 +7,13 @@ that chooses the replica for every call (server/fleet/pinning.py, docs/routing.m
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
+from ray.serve.schema import ServeDeploySchema
 
 from rayattn.config.loader import ENGINE_DEPLOYMENT, engine_deployment, model_args, parse_args
 from rayattn.config.plan import Plan, build_plan
@@ -150,8 +152,6 @@ def deploy_config(serve_config: dict[str, Any]) -> None:
     Only this path
     gives Serve's lightweight updates: a changed router `user_config` reconfigures the
     running routers (imperative `serve.run` gives every deployment a new version)."""
-    from ray.serve.schema import ServeDeploySchema
-
     schema = ServeDeploySchema.model_validate({"applications": serve_config["applications"]})
     serve_private.deploy_apps(schema)
 
@@ -159,10 +159,6 @@ def deploy_config(serve_config: dict[str, Any]) -> None:
 def wait_running(app_name: str, timeout_s: float = 600) -> None:
     """Block until Serve reports the application RUNNING; raise with Serve's message if its
     build or deployment failed (a config error would otherwise look like a slow start)."""
-    import time
-
-    from ray import serve
-
     deadline = time.monotonic() + timeout_s
     while True:
         app = serve.status().applications.get(app_name)

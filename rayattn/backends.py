@@ -188,13 +188,13 @@ PLATFORM_ENV: dict[str, dict[str, str]] = {
 
 # Set only for replicas whose engine runs vLLM's Ray executor (TP×PP > 1): there Ray must
 # leave the device visibility variables alone in every actor, because vLLM's executor sets
-# them itself for the workers it places in the replica's placement group (vLLM PR 21522 / Ray
-# issue 53737: with Ray's per-actor HIP_VISIBLE_DEVICES the workers' GPUs were hidden). A
+# them itself for the workers it places in the replica's placement group (with Ray's
+# per-actor HIP_VISIBLE_DEVICES the workers' GPUs are hidden, a known vLLM/Ray interaction). A
 # single-GPU replica must NOT have them: its engine core then sees every GPU of the node and
-# uses device 0, so all DP ranks of a node stack on GPU 0 (seen with the CUDA counterpart on
-# 2 × H200: the second engine failed with "No available memory for the cache blocks").
-# On CUDA vLLM's Ray executor sets CUDA_VISIBLE_DEVICES for its workers without it (TP2 on
-# 2 × H200 ran in the replica's placement group, one GPU per worker).
+# uses device 0, so all DP ranks of a node stack on GPU 0 and the second engine finds no
+# memory for its cache blocks (the CUDA counterpart does the same).
+# On CUDA vLLM's Ray executor sets CUDA_VISIBLE_DEVICES for its workers without it (a TP
+# replica runs in its placement group, one GPU per worker: docs/log/gpu-first-run.md).
 RAY_EXECUTOR_ENV: dict[str, dict[str, str]] = {
     "rocm": {
         "RAY_EXPERIMENTAL_NOSET_HIP_VISIBLE_DEVICES": "1",

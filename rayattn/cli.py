@@ -4,11 +4,18 @@ render KubeRay manifests, benchmark policies on real engines, simulate a fleet."
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 import sys
 
 from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
 from rayattn.config.plan import PlanError, build_plan, cpu_shortfall
 from rayattn.integrations import ray_private
+from rayattn.models.embedded import resolve_embedded
+from rayattn.models.tiny import SHAPES, make_shaped_model, make_tiny_model
+
+# The other commands' modules are imported in their functions: every command starts here,
+# and `rayattn check` and `render-k8s` run without vLLM, torch or Ray loaded.
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -26,15 +33,11 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_prepare(args: argparse.Namespace) -> int:
-    from rayattn.models.embedded import resolve_embedded
-
     print(resolve_embedded(args.source))
     return 0
 
 
 def cmd_tiny(args: argparse.Namespace) -> int:
-    from rayattn.models.tiny import SHAPES, make_shaped_model, make_tiny_model
-
     if args.arch in SHAPES:
         over = {k: v for k, v in (("num_hidden_layers", args.layers),
                                   ("n_routed_experts", args.experts),
@@ -46,7 +49,7 @@ def cmd_tiny(args: argparse.Namespace) -> int:
 
 
 def cmd_render(args: argparse.Namespace) -> int:
-    from rayattn.k8s.render import main as render_main
+    from rayattn.k8s.render import main as render_main  # only this command renders
 
     return render_main(args)
 
@@ -55,9 +58,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     """`serve run <config>` in the environment the cluster it starts needs (HAProxy front
     door, worker priority: cluster_env.py), once the ports it binds are known to be free and
     its engines fit the CPUs Ray will find."""
-    import os
-    import shutil
-
+    # The server's side: only this command sets up a cluster's environment.
     from rayattn import cluster_env
     from rayattn.server.front_door import ports_held
 
@@ -111,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("-o", "--out", help="write here instead of stdout")
     r.add_argument("--image", default=None, help="ROCm vLLM image")
     r.set_defaults(fn=cmd_render)
+    # Here, not at the top: `import rayattn.cli` (a Serve build path) stays without asyncio.
     from rayattn.bench.cli import add_parsers
 
     add_parsers(sub)

@@ -241,8 +241,8 @@ def tcpstore_port_race() -> bool:
     """True where vLLM's Ray executor picks its torch.distributed TCPStore port by probing a
     window at VLLM_DP_MASTER_PORT + 100 + local DP rank × 32 (vLLM 0.25). Engines started
     outside vLLM's own DP all have 0 and 0 there, so every TP > 1 engine of a node probes port
-    100 first and two starting together both take it: on 4 × H200, DP2 × TP2 failed with
-    "EADDRINUSE port: 100" and the other engine's TP group hung. vLLM 0.32 binds the store on
+    100 first and two starting together both take it: one fails with "EADDRINUSE" and the
+    other engine's TP group hangs (docs/log/gpu-first-run.md). vLLM 0.32 binds the store on
     port 0 instead (no such method)."""
     try:
         from vllm.v1.executor.ray_executor_v2 import RayExecutorV2

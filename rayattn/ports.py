@@ -163,6 +163,7 @@ def pick_port(span: int = 1) -> int:
 
 def holder(port: int) -> str | None:
     """`name (pid N)` of the process listening on TCP `port`, or None when none is seen."""
+    # psutil: only once a port is found held (the CLI imports this module on every start).
     import psutil
 
     try:

@@ -4,12 +4,40 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import copy
+import importlib.util
 import json
+import os
+import statistics
+import sys
+import time
+import traceback
 from dataclasses import asdict
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
+import yaml
+
+from rayattn.bench.report import markdown, plot_sim, write_run
+from rayattn.bench.stats import percentile
+from rayattn.bench.workloads import (
+    agent_loop,
+    doc_chat,
+    long_doc_qa,
+    mix,
+    multi_turn,
+    shared_prefix,
+)
+from rayattn.config.loader import ROUTER_DEPLOYMENT, rayattn_apps
+from rayattn.config.plan import build_plan
+from rayattn.config.schema import RouterConfig
+from rayattn.models.embedded import resolve_embedded
 from rayattn.routing.policies import REGISTRY
+
+# Imported in the functions that need them: Ray and the Serve app (after cluster_env has set
+# the environment Ray reads), httpx, transformers, and the driver's and simulator's modules
+# (aiohttp, the routing core): every `rayattn` command builds this module's parsers.
 
 POLICIES = list(REGISTRY)
 
@@ -18,8 +46,6 @@ def variant_base(policies: list[str], router: Any) -> dict:
     """The config's value of every router setting some variant changes (each run sets
     them all, so a run does not inherit the previous variant's), after checking that every
     variant is a valid router config: a typo must not surface after the start-up."""
-    from rayattn.config.schema import RouterConfig
-
     config = router.model_dump(mode="json")
     for pol in policies:
         name, settings = variant(pol)
@@ -34,8 +60,6 @@ def variant(policy: str) -> tuple[str, dict]:
     """`affinity@load_slack=8;min_match_fraction=0.2`: a policy with router settings of its
     own for its runs (applied with the reset, on the same engines); `affinity@predicted`:
     with that index mode."""
-    import yaml
-
     name, _, rest = policy.partition("@")
     settings = {}
     for kv in filter(None, rest.split(";")):
@@ -46,13 +70,7 @@ def variant(policy: str) -> tuple[str, dict]:
 
 def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str, float]:
     """Start the local deployment once in this process (Ray + Serve); returns URL, start-up s."""
-    import os
-    import time
-
-    import yaml
-
     from rayattn import cluster_env
-    from rayattn.config.loader import rayattn_apps
 
     serve_config = yaml.safe_load(Path(config).read_text())
     # Before Ray (and Serve's constants) are imported here.
@@ -76,8 +94,6 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
 def wait_healthy(url: str, timeout: float = 300) -> dict:
     """Poll /health until every engine replica is up."""
-    import time
-
     import httpx
 
     deadline = time.time() + timeout
@@ -96,31 +112,20 @@ def wait_healthy(url: str, timeout: float = 300) -> dict:
 
 def cmd_bench(a: argparse.Namespace) -> int:
     import httpx
-    import yaml
     from transformers import AutoTokenizer
-
-    from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
-    from rayattn.bench.report import write_run
-    from rayattn.bench.workloads import (
-        agent_loop,
-        doc_chat,
-        long_doc_qa,
-        mix,
-        multi_turn,
-        shared_prefix,
-    )
-    from rayattn.config.loader import rayattn_apps
-    from rayattn.models.embedded import resolve_embedded
 
     # Checked before anything starts: a typo must not cost the rayattn half of the run.
     peers = list(dict.fromkeys(x for x in (a.peer or "").split(",") if x))
     for peer in peers:
         if peer not in PEERS:
             raise SystemExit(f"--peer: unknown peer {peer!r} (one of {', '.join(PEERS)})")
+        peer_module(PEER_MODULES[peer])
+    ray_llm_policies = peer_module(PEER_MODULES["ray-serve-llm"]).RAY_LLM_POLICIES \
+        if "ray-serve-llm" in peers else {}
     for pol in a.ray_llm_policies.split(",") if "ray-serve-llm" in peers else []:
-        if pol not in RAY_LLM_POLICIES:
+        if pol not in ray_llm_policies:
             raise SystemExit(f"--ray-llm-policies: unknown policy {pol!r} "
-                             f"(one of {', '.join(RAY_LLM_POLICIES)})")
+                             f"(one of {', '.join(ray_llm_policies)})")
 
     wl_all = {"shared_prefix": shared_prefix(groups=a.groups, prompts_per_group=a.prompts,
                                              seed=a.seed),
@@ -189,8 +194,6 @@ def cmd_bench(a: argparse.Namespace) -> int:
         try:
             PEERS[peer](a, workloads, tok, table, raw)
         except Exception:  # one rival failing must not lose the others' runs
-            import traceback
-
             traceback.print_exc()
             failed.append(peer)
             print(f"peer {peer} failed: its rows are missing from the table")
@@ -206,8 +209,6 @@ def write_engine_model(a: argparse.Namespace, url: str, raw: dict, workloads: di
     """The simulator's engine coefficients fitted to this run's first affinity run of each
     workload and calibrated by replaying those runs in the simulator
     (`rayattn simulate --engine-model <out>/engine_model.json`)."""
-    import yaml
-
     from rayattn.bench.fit import (
         base_model,
         calibrate,
@@ -216,7 +217,6 @@ def write_engine_model(a: argparse.Namespace, url: str, raw: dict, workloads: di
         results_from_json,
     )
     from rayattn.bench.simulate import trace_from_run
-    from rayattn.config.loader import rayattn_apps
 
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
     base = base_model(url, cfg.engine.model_dump())
@@ -251,13 +251,9 @@ def deploy_router(serve_config: dict, replicas: int, settings: dict) -> None:
     """Redeploy the app's router (the first application of a Serve config, deployed from
     it) with `replicas` replicas and these settings (a lightweight Serve update: engines
     keep running) and wait until all of them serve."""
-    import copy
-    import time
-
     from ray import serve
 
     from rayattn.app import deploy_config
-    from rayattn.config.loader import ROUTER_DEPLOYMENT
 
     cfg = copy.deepcopy(serve_config)
     app = cfg["applications"][0]
@@ -289,15 +285,10 @@ def stop_local() -> None:
 
 
 def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict) -> None:
-    import yaml
-
-    from rayattn.bench.peer import PeerStack
-    from rayattn.config.loader import rayattn_apps
-    from rayattn.config.plan import build_plan
-
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
     plan = build_plan(cfg, prepare_model=True)
-    stack = PeerStack(plan, a.peer_port, Path(a.out) / "peer-logs")
+    stack = peer_module(PEER_MODULES["vllm-router"]).PeerStack(plan, a.peer_port,
+                                                              Path(a.out) / "peer-logs")
     try:
         took = stack.start_engines()
         print(f"{plan.replicas} vllm serve engines up in {took:.1f}s")
@@ -314,16 +305,10 @@ def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict
 
 def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
                      raw: dict) -> None:
-    import yaml
-
-    from rayattn.bench.ray_llm_peer import RayServeLLMStack
-    from rayattn.config.loader import rayattn_apps
-    from rayattn.config.plan import build_plan
-
     _, cfg = rayattn_apps(yaml.safe_load(Path(a.config).read_text()))[0]
     policies = a.ray_llm_policies.split(",")
-    stack = RayServeLLMStack(build_plan(cfg, prepare_model=True), a.model, a.peer_port,
-                             tuple(policies))
+    stack = peer_module(PEER_MODULES["ray-serve-llm"]).RayServeLLMStack(
+        build_plan(cfg, prepare_model=True), a.model, a.peer_port, tuple(policies))
     try:
         stack.start()
 
@@ -339,14 +324,50 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
         stack.stop()
 
 
+def peer_dirs() -> list[Path]:
+    """Where the peers' launchers may be: bench/peers/ of the repository checkout this
+    package is imported from (an editable install or the checkout's own directory), then
+    of the current directory. They start rival stacks for benchmarks only, so they are
+    kept out of the installed package."""
+    dirs = [Path(__file__).resolve().parents[2] / "bench" / "peers",
+            Path.cwd().resolve() / "bench" / "peers"]
+    return list(dict.fromkeys(dirs))
+
+
+def peer_module(name: str) -> ModuleType:
+    """bench/peers/<name>.py of a rayattn repository checkout, imported by its path."""
+    key = f"rayattn_bench_peers.{name}"
+    if key in sys.modules:
+        return sys.modules[key]
+    path = next((d / f"{name}.py" for d in peer_dirs() if (d / f"{name}.py").is_file()), None)
+    if path is None:
+        raise SystemExit(
+            f"--peer: the peers' launchers come from a rayattn repository checkout, not the "
+            f"installed package; no bench/peers/{name}.py in "
+            f"{' or '.join(str(d.parents[1]) for d in peer_dirs())}. Run from a checkout "
+            f"(its root as the current directory) or install rayattn from one (`pip install "
+            f"-e .`).")
+    spec = importlib.util.spec_from_file_location(key, path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[key] = module  # dataclasses and pickling look the module up by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[key]
+        raise
+    return module
+
+
 # The rivals `--peer` can start, each on the deployment's engine settings.
 PEERS = {"vllm-router": run_peer, "ray-serve-llm": run_ray_llm_peer}
+# Their launchers: bench/peers/<module>.py of the repository checkout.
+PEER_MODULES = {"vllm-router": "vllm_router", "ray-serve-llm": "ray_serve_llm"}
 
 
 def score(res: list, wall: float, wl, tokenizer, block_size: int) -> dict:
     """A run's summary, its hit rate against the trace's oracle, later turns' TTFT."""
     from rayattn.bench.driver import oracle, summarize
-    from rayattn.bench.stats import percentile
 
     s = summarize(res, wall)
     s.update(oracle(res, wl, tokenizer, block_size))
@@ -363,8 +384,6 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                rate: float | None, table: dict, raw: dict, think_s: float = 0.0) -> None:
     """Every policy on every workload, `runs` times (interleaved, so drift hits all alike);
     `prepare(policy)` puts the stack in that policy with cold caches."""
-    import statistics
-
     from rayattn.bench.driver import results_json, run_workload
 
     for wname, wl in workloads.items():
@@ -435,7 +454,6 @@ _ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
-    from rayattn.bench.report import markdown, plot_sim
     from rayattn.bench.simulate import (
         EngineModel,
         multi_turn_trace,
@@ -524,7 +542,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     b.add_argument("--peer", help="rivals to run after rayattn in the same run, on the same "
                                   "engine settings: vllm-router (in front of `vllm serve` "
                                   "engines), ray-serve-llm (Ray Serve LLM's OpenAI app); "
-                                  "comma-separated")
+                                  "comma-separated; their launchers come from a repository "
+                                  "checkout's bench/peers/")
     b.add_argument("--peer-policies", default="cache_aware,sticky_least_loaded",
                    help="vllm-router policies (also: consistent_hash, power_of_two, ...)")
     b.add_argument("--ray-llm-policies", default="prefix_cache_affinity",

@@ -17,6 +17,7 @@ import aiohttp
 
 from rayattn.bench.stats import percentile
 from rayattn.bench.workloads import Conversation, Workload
+from rayattn.server.loop_watch import LoopWatch
 
 
 @dataclass
@@ -151,10 +152,9 @@ async def run_workload(url: str | list[str], model: str, workload: Workload,
     a tool running). Open loop (`rate` req/s): conversations start as a Poisson process.
     Several URLs (independent routers): turn t of every conversation goes to url[t % n]."""
     # Whatever the client holds from before this run (earlier runs' results, tokenizers) out
-    # of the collector's reach, before the clock starts: a full collection over it stopped
-    # the client for 0.45-0.55 s in one run of six or nine on an H100 (mostly the same run
-    # of each call, as the stacks run in a fixed order), and that run's TTFT and wall
-    # counted it.
+    # of the collector's reach, before the clock starts: a full collection over it can stop
+    # the client for a large part of a second inside one run (the same run each time, as
+    # the stacks run in a fixed order), and that run's TTFT and wall would count it.
     gc.collect()
     gc.freeze()
     try:
@@ -204,16 +204,13 @@ async def _run_workload(url: str | list[str], model: str, workload: Workload, *,
                     await asyncio.sleep(pause.uniform(0, think_s))
 
     # The client's own stalls: a stalled client delays the TTFT it measures.
-    from rayattn.server.loop_watch import LoopWatch
-
     watch = LoopWatch()
     watch.start()
     # aiohttp, as vLLM's own benchmark client. httpx's connection pool re-scans every
     # request against every connection on each event (httpcore
     # `_assign_requests_to_connections`): driven by 128 streams at once it held requests back
-    # for seconds before sending them (against a trivial SSE server on loopback, client ->
-    # server p99 5.0 s with httpx, 29 ms with aiohttp), and every stack's TTFT counted that
-    # wait as its own.
+    # for seconds before sending them, even against a trivial SSE server on loopback, and
+    # every stack's TTFT counted that wait as its own (docs/log/gpu-one-gpu-contest.md).
     connector = aiohttp.TCPConnector(limit=concurrency * 2 if rate is None else 0)
     # `timeout` bounds connecting and each wait for the next bytes, not a whole stream.
     limit = aiohttp.ClientTimeout(total=None, sock_connect=timeout, sock_read=timeout)

@@ -21,7 +21,10 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+
+import httpx
+import numpy as np
 
 from rayattn.bench.driver import Result
 from rayattn.bench.simulate import EngineModel, SimRequest, simulate
@@ -30,8 +33,6 @@ from rayattn.bench.stats import percentile
 
 def _lstsq(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Non-negative least squares by clipping (two or three columns; numpy is there)."""
-    import numpy as np
-
     a, b = np.array(rows, dtype=float), np.array(ys, dtype=float)
     coef, *_ = np.linalg.lstsq(a, b, rcond=None)
     return [max(float(c), 0.0) for c in coef]
@@ -95,8 +96,6 @@ def fit_engine_model(results: list[Result], base: EngineModel) -> EngineModel:
 
 def results_from_json(rows: list[dict]) -> list[Result]:
     """Results as `rayattn bench` saves them (raw.json) back into Result objects."""
-    from dataclasses import fields
-
     names = {f.name for f in fields(Result)}
     return [Result(**{k: v for k, v in row.items() if k in names}) for row in rows]
 
@@ -104,8 +103,6 @@ def results_from_json(rows: list[dict]) -> list[Result]:
 def base_model(url: str, engine_cfg: dict) -> EngineModel:
     """The deployment's fixed facts (block size, KV capacity from /health; batch limits from
     the engine settings), with the default coefficients."""
-    import httpx
-
     engine = next(iter(httpx.get(f"{url}/health", timeout=10).json()["engines"].values()))
     return EngineModel(capacity_blocks=engine["kv_blocks"], block_size=engine["block_size"],
                        max_batched_tokens=engine_cfg.get("max_num_batched_tokens") or 2048,

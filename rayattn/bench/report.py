@@ -46,6 +46,7 @@ def write_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
 
 
 def plot_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
+    # matplotlib is optional (the test extra): only plots need it.
     import matplotlib
 
     matplotlib.use("Agg")
@@ -91,6 +92,7 @@ def plot_run(out: Path, table: dict, raw: dict[str, list[dict]]) -> None:
 
 
 def plot_sim(out: Path, rows: list[dict], name: str) -> None:
+    # matplotlib is optional (the test extra): only plots need it.
     import matplotlib
 
     matplotlib.use("Agg")

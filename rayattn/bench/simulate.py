@@ -29,7 +29,7 @@ engine's waiting queue, the engine replica takes it in, one request at a time,
 `frontend_s` each; `hop_s` is added to every first token (proxy, engine calls, streaming).
 
 Coefficients come from `rayattn bench` (fit.py writes engine_model.json from a real run) or
-from the command line (docs/results.md has the H200 ones).
+from the command line (docs/results.md has fitted ones, with their commands).
 
 Two drivers: an open loop (each request's `arrival` is fixed) and a closed loop like
 `rayattn bench` (`concurrency` conversations at a time, a conversation's next turn
@@ -48,9 +48,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rayattn.bench.driver import replay_tokens
 from rayattn.bench.stats import percentile
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.core import Finished, RoutingCore
+from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.policies import Decision, RouteRequest, cached_tokens
 from rayattn.routing.prefix_index import EventIndex, PrefixIndex
 
@@ -467,8 +469,6 @@ def shared_prefix_trace(groups: int, prompts_per_group: int, system_tokens: int,
                         question_tokens: int, output_tokens: int, rate: float,
                         block_size: int = 32, seed: int = 0) -> list[SimRequest]:
     """SGLang generated-shared-prefix shape with Poisson arrivals at `rate` req/s."""
-    from rayattn.routing.hashing import BlockHasher
-
     rng = random.Random(seed)
     h = BlockHasher(block_size)
     systems = [[rng.randrange(1, 50_000) for _ in range(system_tokens)] for _ in range(groups)]
@@ -487,8 +487,6 @@ def shared_prefix_trace(groups: int, prompts_per_group: int, system_tokens: int,
 
 
 def _keys(hashes: list[bytes]) -> list[int]:
-    from rayattn.routing.hashing import to_key
-
     return [to_key(x) for x in hashes]
 
 
@@ -504,8 +502,6 @@ def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system
     """Sessions start as a Poisson process; each next turn follows after a think time and
     carries the whole history (prompt + previous outputs). `document_tokens`: each
     conversation also carries a document of its own after the shared system prompt."""
-    from rayattn.routing.hashing import BlockHasher
-
     rng = random.Random(seed)
     h = BlockHasher(block_size)
     systems = [[rng.randrange(1, 50_000) for _ in range(system_tokens)]
@@ -538,9 +534,6 @@ def trace_from_run(results: list[Result], workload: Workload, tokenizer: Any,
     """The exact requests of a real-engine run (templated prompts, outputs, turn order), in
     the order the run started them: for the closed-loop driver, conversations keep the
     workload's order, as the bench's driver takes them."""
-    from rayattn.bench.driver import replay_tokens
-    from rayattn.routing.hashing import BlockHasher
-
     h = BlockHasher(block_size)
     order = {c.session: k for k, c in enumerate(workload.conversations)}
     out = []

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from rayattn.config.schema import ModelConfig
+from rayattn.models.embedded import is_embedded, resolve_embedded
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,6 @@ def _hf_cache_config(repo_id: str) -> Path | None:
 
 def local_model_dir(source: str, prepare: bool) -> Path | None:
     """The directory holding the model's files, if it is on this machine."""
-    from rayattn.models.embedded import is_embedded, resolve_embedded
-
     if is_embedded(source):
         return resolve_embedded(source, prepare=prepare)
     path = Path(source).expanduser()

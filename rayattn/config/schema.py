@@ -478,8 +478,8 @@ class ServeSettings(_Strict):
     router_render_threads: PositiveInt | None = None
     """Threads each router replica renders and tokenizes prompts on (vLLM's
     `renderer_num_workers` for the router's renderer). The tokenizer releases the GIL, so
-    new prompts arriving together are tokenized side by side (64 at once on a GPU host: 118
-    ms p50 on 1 thread, 78 ms on 8); later turns, mostly reused, gain nothing. vLLM keeps a
+    new prompts arriving together are tokenized side by side (a burst of new prompts waits
+    less: docs/log/gpu-one-gpu-contest.md); later turns, mostly reused, gain nothing. vLLM keeps a
     copy of the tokenizer per thread. None (default): the cores the router's process may
     use, at most 4."""
     engine_node_resource: str | None = None

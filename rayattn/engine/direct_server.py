@@ -1,10 +1,10 @@
 """The engine replica's own endpoint for the direct transport (router.engine_transport).
 
 Serve's channel to a replica (its request router, a gRPC call, a replica task per request,
-one message per chunk) costs each request milliseconds under load: on one H100 with 128
-streams, 13–19 ms p50 to reach the engine replica and 4–5 ms back, against 3–5 ms and under
-1 ms here (docs/results.md, "The way to the first token on one H100"), where vllm-router's
-whole way to `vllm serve` costs about one. Here the router POSTs the request straight to the
+one message per chunk) adds several Ray hops and a task per request to each request's way to
+the engine and per chunk on its way back, which grows with the streams in flight; a plain
+HTTP stream to the replica, as vllm-router's to `vllm serve`, has none of them (the figures:
+docs/results.md, "The way to the first token"). Here the router POSTs the request straight to the
 replica's event loop, on a keep-alive connection, and reads the answer as it streams
 (engine/wire.py).
 

@@ -57,7 +57,7 @@ MOVED_VLLM_MODULES = Patch(
     "Ray 2.60's KV-aware tokenizer imports vLLM 0.29's module name, which vLLM 0.32 moved "
     "unchanged",
     "the benchmark rival's Ray workers (worker_process_setup_hook, "
-    "rayattn/bench/ray_llm_peer.py)")
+    "bench/peers/ray_serve_llm.py)")
 
 PATCHES = (RENDER_ONCE, INCREMENTAL_TOKENIZER, MOVED_VLLM_MODULES)
 

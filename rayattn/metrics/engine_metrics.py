@@ -13,7 +13,8 @@ from typing import Any
 
 from ray.util import metrics as rm
 
-# From ~1 ms (MI300X decode steps) to minutes (CPU prefill of long prompts under load).
+# From a fast GPU's decode step (a millisecond) to minutes (CPU prefill of long prompts under
+# load).
 LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28,
                    2.56, 5.12, 10.24, 20.48, 40.96, 81.92, 163.84]
 # dp_rank: the replica's rank among the engine replicas (rayattn's DP); engine_rank: the DP
@@ -129,6 +130,7 @@ def _inc(counter: rm.Counter, value: float, tags: dict[str, str]) -> None:
 def make_step_logger_factory(metrics: EngineMetrics):
     """A vLLM stat logger that turns vLLM's per-iteration details (shipped from the engine
     core with the outputs it already sends, so no extra channel) into step-split metrics."""
+    # vLLM: only the engine replica builds the logger; the router imports this module too.
     from vllm.v1.metrics.loggers import StatLoggerBase
 
     class PathStepLogger(StatLoggerBase):

@@ -25,6 +25,7 @@ EXPORT_EVERY_MS = 1000
 class Tracing:
     def __init__(self, endpoint: str, service_name: str, role: str) -> None:
         """`endpoint`: OTLP/HTTP traces URL; `role`: `router` or `engine`."""
+        # OpenTelemetry: only a process with tracing on loads it (see server/http/spans.py).
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
@@ -45,6 +46,7 @@ class Tracing:
 
     def carrier(self, span: Any) -> dict[str, str]:
         """`traceparent` (and `tracestate`) naming `span`, for the next hop."""
+        # OpenTelemetry: loaded only once tracing is on.
         from opentelemetry import trace
 
         out: dict[str, str] = {}
@@ -62,6 +64,7 @@ class Tracing:
         first = queue_end + _ns(timings["prefill_s"])
         span = self.tracer.start_span("rayattn.engine", context=ctx, start_time=start,
                                       attributes=attributes)
+        # OpenTelemetry: loaded only once tracing is on.
         from opentelemetry import trace
 
         inner = trace.set_span_in_context(span)

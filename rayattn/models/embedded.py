@@ -17,6 +17,7 @@ import tempfile
 from pathlib import Path
 
 from rayattn.cache_dir import cache_root
+from rayattn.models.tiny import make_tiny_model
 
 EMBEDDED_SCHEME = "rayattn://"
 EMBEDDED_MODELS = {"smollm2-135m": "SmolLM2-135M-Instruct", "tiny-llama": "tiny-llama"}
@@ -73,8 +74,6 @@ def resolve_embedded(source: str, prepare: bool = True) -> Path:
 def prepare_generated(arch: str, out: Path) -> Path:
     """A tiny random-weight model of `arch` in `out` (idempotent; several processes may
     prepare it at once: each writes its own directory and the first rename wins)."""
-    from rayattn.models.tiny import make_tiny_model
-
     stamp = {"generated": arch, "format": 1}
     if _stamped(out, stamp):
         return out
@@ -101,6 +100,7 @@ def prepare_smollm2(out: Path) -> Path:
     if _stamped(out, stamp):
         return out
 
+    # torch and transformers: only preparing SmolLM2 needs them.
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -58,6 +58,7 @@ def make_random_adapter(base_dir: Path, out: Path, seed: int) -> Path:
     """An adapter whose low-rank updates are about as large as the base weights they add to
     (PEFT initialises B to zero, which would change nothing): answers differ from the base
     model's and from another seed's."""
+    # torch and safetensors: only making an adapter needs them.
     import torch
     from safetensors import safe_open
     from safetensors.torch import save_file

@@ -4,9 +4,9 @@ conversations an engine is serving keep their KV cache.
 When the live conversations' histories outgrow an engine's KV cache, vLLM admits every
 request it is sent and evicts cached blocks least-recently-used to make room: a stream of
 new conversations pushes out the history of every conversation in its think time, and each
-next turn prefills its whole history again (measured on one H200: 0.000-0.07 of the oracle
-for every router alike, docs/log/gpu-kv-hierarchy.md). Here the router keeps, per engine,
-the tokens of
+next turn prefills its whole history again, whichever router places it (the figures:
+docs/results.md, "Users' chats under eviction"; docs/log/gpu-kv-hierarchy.md). Here the
+router keeps, per engine, the tokens of
 
   * its running requests (what they add to the cache: their output, and the prompts of
     requests without a session), and
@@ -21,16 +21,17 @@ each other; admission only stops newcomers from adding to that.) An engine with 
 running admits anything (progress).
 
 An engine with a host-memory KV tier (engine.kv_offload) keeps the histories of quiet
-conversations there: evicting them from HBM costs a reload (a copy, ~0.2-0.6 of a prefill,
-docs/results.md), not a recompute. There, by default (router.kv_admission_protect: auto),
-only the histories of conversations with a turn in flight are protected, every request needs its
-whole prompt in HBM (a reload occupies HBM blocks like a prefill), and continuing
-conversations still go first; `live` keeps the strict rule above on such engines too.
+conversations there: evicting them from HBM costs a reload (a copy, a fraction of a
+prefill: docs/results.md, "The KV hierarchy"), not a recompute. There, by default
+(router.kv_admission_protect: auto), only the histories of conversations with a turn in
+flight are protected, every request needs its whole prompt in HBM (a reload occupies HBM
+blocks like a prefill), and continuing conversations still go first; `live` keeps the strict
+rule above on such engines too.
 
 What fits is judged on today's histories, but a conversation's history grows with every
-turn (one H200, doc_chat, 4.7k -> 7.6k tokens over 4 turns): newcomers admitted up to a fill
-of 0.95 later outgrow the cache together and evict each other (0.35 of the oracle; a fill of
-0.7 kept 0.92, 0.6 kept 1.00 with new conversations waiting longer). Hence the ceiling
+turn: newcomers admitted up to a nearly full cache later outgrow it together and evict each
+other, while a lower fill keeps their histories at the cost of new conversations waiting
+longer (docs/log/gpu-kv-hierarchy.md). Hence the ceiling
 `router.kv_admission_fill` (unset: 0.7 on an engine without a host tier, 0.95 on one with,
 where a history pushed out of HBM is reloaded, not recomputed), and below it a fill that
 adapts per engine: when a live conversation's next turn finds most of what it continues
@@ -158,9 +159,9 @@ class KVBudget:
         out = [r for r in candidates if self._fits(r, conv, prompt_tokens, max_tokens)]
         if conv is not None and conv.replica in candidates and conv.replica not in out:
             # A live conversation waits for the engine that holds its history rather than
-            # moving only because another has room: there it would recompute all of it
-            # (one H200 with a host tier: 178 of 384 later turns moved, hits 0.69 ->
-            # 0.42-0.49). Once it fits at home, moving is the policy's call again.
+            # moving only because another has room: there it would recompute all of it (and
+            # with a host tier, letting turns move cost much of the hit rate). Once it fits
+            # at home, moving is the policy's call again.
             return []
         return out
 

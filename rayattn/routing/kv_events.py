@@ -17,6 +17,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
+import msgspec
+
+from rayattn.routing.hashing import to_key
+
 log = logging.getLogger("rayattn.kv_events")
 
 Tier = Literal["gpu", "cpu"]
@@ -39,16 +43,17 @@ class CacheSink(Protocol):
 
 
 def decoder() -> Any:
-    import msgspec
-    from vllm.distributed.kv_events import KVEventBatch
+    from vllm.distributed.kv_events import KVEventBatch  # vLLM: only a router with KV events
 
     return msgspec.msgpack.Decoder(type=KVEventBatch)
 
 
 def apply_batch(batch: Any, sink: CacheSink) -> None:
-    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
-
-    from rayattn.routing.hashing import to_key
+    from vllm.distributed.kv_events import (  # vLLM: only a router with KV events
+        AllBlocksCleared,
+        BlockRemoved,
+        BlockStored,
+    )
 
     # The offloading connector's events carry the real block hashes of what it stored
     # (vLLM's self-describing events, which rayattn's plan turns on; without them, its

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
+from rayattn.compat import client_error_types
 from rayattn.engine import wire
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -100,8 +101,6 @@ def failed_request(e: BaseException | None, timeout_s: float) -> APIError:
 def engine_raised(e: BaseException) -> APIError:
     """An exception an engine raised about the request itself (not a dead replica): vLLM's
     validation is the client's 400; anything else a 500 naming only its type."""
-    from rayattn.compat import client_error_types
-
     # Ray's RayTaskError carries the engine's own exception as `cause`.
     cause = getattr(e, "cause", None) or e
     if isinstance(cause, wire.EngineRaised):  # the direct transport's account of it

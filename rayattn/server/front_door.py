@@ -21,6 +21,7 @@ import sys
 import tempfile
 from collections.abc import Mapping, MutableMapping
 
+from rayattn import ports
 from rayattn.config.schema import RouterConfig
 from rayattn.integrations import serve_private
 
@@ -112,8 +113,6 @@ def ports_held(serve_config: dict, environ: Mapping[str, str] = os.environ) -> l
     """One line per port the front door of `serve_config` will bind that something already
     holds, naming the holder (a leftover HAProxy of an earlier start would otherwise keep
     the port and answer every request with a 500)."""
-    from rayattn import ports
-
     http = serve_config.get("http_options") or {}
     wanted = {int(http.get("port", 8000)): "http_options.port"}
     if environ.get("RAY_SERVE_ENABLE_HA_PROXY") == "1":

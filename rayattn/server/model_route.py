@@ -141,6 +141,7 @@ def render_failure(e: Exception, param: str) -> APIError:
     """What a rendering error is for the client. The errors malformed messages raise inside
     the chat template and vLLM's parsers are the client's (400); anything else is the
     router's own failure (500), named by type only: its message may describe internals."""
+    # jinja2 comes with vLLM (the chat templates): not a dependency of the router module.
     from jinja2 import TemplateError
 
     if isinstance(e, (ValueError, TypeError, LookupError, AttributeError, RecursionError,

@@ -202,6 +202,7 @@ class EventFeed:
             self._task = None
 
     async def _run(self) -> None:
+        # pyzmq comes with vLLM: only a router following KV events needs it.
         import zmq.asyncio
 
         ctx = zmq.asyncio.Context.instance()
@@ -234,6 +235,7 @@ class EventFeed:
         after HANDSHAKE_S): from then on what the engine publishes reaches this socket. A
         refused handshake (a key the engine has not admitted, say) raises: the feed admits
         itself again and retries instead of taking a snapshot it would never follow."""
+        # pyzmq comes with vLLM: only a router following KV events needs it.
         import zmq
         from zmq.utils.monitor import parse_monitor_message
 

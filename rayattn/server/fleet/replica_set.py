@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import aiohttp
+import grpc
 from ray import exceptions as ray_exc
 
 from rayattn.engine import wire
@@ -70,8 +71,6 @@ def failure(e: BaseException) -> Failure:
     # to ActorUnavailableError; a replica that goes away mid-stream can still surface as the
     # raw RPC error with these codes. Errors about the request itself arrive as the engine's
     # own exception; other RPC codes (e.g. a message over the size limit) are not deaths.
-    import grpc
-
     if isinstance(e, grpc.aio.AioRpcError) and e.code() in (
             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.INTERNAL):
         return "replica_died"

@@ -36,16 +36,15 @@ log = logging.getLogger("rayattn.router")
 
 MIN_CUT_CHARS = 512
 """Texts from here are cut, in two at least. A hand-off to the thread pool costs microseconds,
-a token about one: on 2 free cores of this project's CI machine kind, two halves took 0.60×
-the whole text's time at 256 characters each and 0.50× at 1,024 (SmolLM2's tokenizer,
-`encode` against `encode_batch` of the halves, 2026-11-26). So a later turn's new text
-(1–3k characters) is cut too, not only a new document."""
+a token about one, so halves tokenized side by side already beat the whole text at this
+length on two free cores (docs/log/cpu-router-hop.md). So a later turn's new text
+(a few thousand characters) is cut too, not only a new document."""
 
 PIECE_CHARS = 1024
 """One piece per this many characters of a longer text, as the free cores allow. Smaller
-pieces of a new document showed no gain with 64 prompts at once on a 16-core host, where
-eight router processes' Rust pools share the cores (first turns' p99 34 ms with pieces from
-256 characters against 32 ms from 1,024; two runs a side, docs/log/cpu-router-hop.md)."""
+pieces of a new document gained nothing where many prompts arrive at once and several router
+processes' Rust pools share the cores: the hand-offs cost what the extra parallelism saves
+(docs/log/cpu-router-hop.md)."""
 
 _CUT = re.compile(r"(?<=[^\W\d_]) (?=[^\W\d_])")
 """Candidates for a cut: one plain space (U+0020) between word characters that are not
@@ -155,6 +154,7 @@ class PieceTokenizer:
     None where a text is better tokenized the usual way."""
 
     def __init__(self, spec: str) -> None:
+        # tokenizers comes with vLLM: only a router that renders prompts loads it.
         from tokenizers import Tokenizer
 
         # A copy of its own, only ever read: transformers' __call__ sets truncation and

@@ -3,10 +3,12 @@ back (with vLLM's own argument parser) into exactly the deployment's engine sett
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import yaml
 
-from rayattn.bench.peer import serve_flags
+from rayattn.bench.cli import PEER_MODULES, peer_module
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.integrations.patches import MovedModuleFinder, restore_moved_vllm_modules
@@ -26,7 +28,7 @@ def test_serve_flags_round_trip_through_vllms_parser():
     plan = local_plan()  # vLLM's parser resolves the model: prepared (cached) there
     kw = dict(plan.engine_kwargs)
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
-    ns = parser.parse_args(["--model", kw["model"], *serve_flags(kw)])
+    ns = parser.parse_args(["--model", kw["model"], *peer_module("vllm_router").serve_flags(kw)])
     parsed = AsyncEngineArgs.from_cli_args(ns)
     for k, v in kw.items():
         got = getattr(parsed, k)
@@ -39,8 +41,7 @@ def test_ray_serve_llm_peer_gets_the_same_engine_settings_and_its_router():
     rejects unknown ones: what its engines start with must be the deployment's settings."""
     from ray.llm._internal.serve.engines.vllm.vllm_models import VLLMEngineConfig
 
-    from rayattn.bench.ray_llm_peer import RayServeLLMStack
-
+    RayServeLLMStack = peer_module("ray_serve_llm").RayServeLLMStack  # noqa: N806 - a class
     plan = local_plan()
     stack = RayServeLLMStack(plan, "smollm2", 8200)
     cfg = stack.llm_config("prefix_cache_affinity")
@@ -66,8 +67,9 @@ def test_kv_aware_peer_is_set_up_as_rays_guide_has_it(monkeypatch):
     (no HAProxy in front: Serve's proxy has no token tracker) or cannot start (no Dynamo)."""
     import importlib.util
 
-    from rayattn.bench.ray_llm_peer import RayServeLLMStack
     from rayattn.server import front_door
+
+    RayServeLLMStack = peer_module("ray_serve_llm").RayServeLLMStack  # noqa: N806 - a class
 
     plan = local_plan()
     find = importlib.util.find_spec
@@ -145,3 +147,16 @@ def test_bench_variants_carry_router_settings_checked_before_anything_starts():
     for bad in ("affinity@load_slack=abc", "affinity@no_such_setting=1", "no_such_policy"):
         with pytest.raises(SystemExit, match="not a valid router config"):
             variant_base([bad], router)
+
+
+def test_peers_launchers_come_from_the_checkout_and_their_absence_names_it(monkeypatch,
+                                                                            tmp_path):
+    """The launchers live in the repository's bench/peers/, outside the installed package:
+    found from a checkout, and without one `--peer` stops naming where it looked."""
+    for name in PEER_MODULES.values():
+        assert peer_module(name).__file__ == str(ROOT / "bench" / "peers" / f"{name}.py")
+    assert not (ROOT / "rayattn" / "bench" / "peer.py").exists()
+    monkeypatch.setattr("rayattn.bench.cli.peer_dirs", lambda: [tmp_path / "bench" / "peers"])
+    monkeypatch.delitem(sys.modules, "rayattn_bench_peers.vllm_router")
+    with pytest.raises(SystemExit, match=f"checkout.*{tmp_path}"):
+        peer_module("vllm_router")

@@ -1,14 +1,15 @@
 """Pins: the private and experimental parts of Ray Serve LLM that the benchmark's rival stack
-uses (rayattn/bench/ray_llm_peer.py)."""
+uses (bench/peers/ray_serve_llm.py)."""
 
 from __future__ import annotations
 
 import importlib
 
-from rayattn.bench.ray_llm_peer import RAY_LLM_POLICIES
+from rayattn.bench.cli import peer_module
 from tests.unit.integrations import pins
 
-USER = "rayattn/bench/ray_llm_peer.py"
+RAY_LLM_POLICIES = peer_module("ray_serve_llm").RAY_LLM_POLICIES
+USER = "bench/peers/ray_serve_llm.py"
 
 
 def test_every_rival_policy_names_an_importable_router():

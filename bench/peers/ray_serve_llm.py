@@ -77,7 +77,7 @@ class RayServeLLMStack:
                 raise SystemExit(
                     "--ray-llm-policies kv_aware: KVAwareRouter's selection service is not "
                     "installed; `pip install --no-deps ai-dynamo-runtime==1.6.1` (its "
-                    "pydantic pin is declared only; see rayattn/bench/ray_llm_peer.py)")
+                    "pydantic pin is declared only; see bench/peers/ray_serve_llm.py)")
             # Behind Serve's own proxy KVAwareRouter has no token tracker and picks engines
             # at random: a run without HAProxy would measure a random router.
             if not front_door.available() or \
