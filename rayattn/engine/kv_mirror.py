@@ -36,8 +36,8 @@ CLEARED_TOPIC = "cleared"
 """The mirror's own word on the relay, not vLLM's: the engine's cache was just emptied.
 vLLM publishes its AllBlocksCleared with the engine's next step; on an idle engine that is
 the next request, so every router but the one that asked for the reset would route the next
-burst on blocks that are gone (four routers, one H100: turn-0 prompts sent to their old
-engines as cache hits, 60/68 conversations). It carries the sequence number of the last
+burst on blocks that are gone (first turns sent to their old engines as cache hits). It
+carries the sequence number of the last
 batch the mirror had applied, so a router whose snapshot is newer ignores it. Not a prefix
 of TOPIC: a subscription to one is not one to the other."""
 

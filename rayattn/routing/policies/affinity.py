@@ -14,9 +14,9 @@ together and a move between them saves no wait while it recomputes the history. 
 engine has its own batch (max_num_seqs, batch(r)): past it a request queues in its engine
 until a running one ends, about `output` steps of the batch (the output requests run to,
 measured; at most this request's max_tokens) for each place it waits for, even while an
-engine beside it on the same GPU has free places. Without that term four agents' shared
-prompts, each cached on one of two engines of one H100, kept 65 % of 128 sessions on one
-engine (docs/log/gpu-one-gpu-contest.md, section 12).
+engine beside it on the same GPU has free places. Without that term, conversations
+sharing a prompt cached on one of two engines of one GPU all stayed on that engine
+(docs/log/gpu-one-gpu-contest.md).
 
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
@@ -29,7 +29,7 @@ to each other.
 Uncached tokens count twice: once for this request's first token and once for the work they
 add in front of everything queued behind it on that engine. Counted once, a move that saves
 this request a millisecond of queue looks free even when it recomputes a conversation's
-history (measured on H200s: 1.1k tokens recomputed for a 1 ms gain).
+whole history, which costs every request queued behind it far more.
 """
 
 from __future__ import annotations
@@ -186,12 +186,11 @@ class Affinity(Policy):
         """Nothing to keep: a new conversation goes to the least busy engine first. The cost
         ties engines that share a GPU (one queue of compute), but each has its own KV cache
         and batch, and a conversation placed on the fuller one is the first its LRU evicts
-        (seen: 72/56 conversations by hash, every run the same). Between engines of one GPU,
-        this router's own requests first: they are exact, while the other routers' come from
-        reports of different ages per engine, which in a burst steered every router the same
-        way (4 routers, one H100: 51/77 conversations); each router even on its own keeps the
-        sum even. Across GPUs the cost already weighs every router's load, and the total
-        decides."""
+        (a hash alone splits them unevenly, the same way every run). Between engines of one
+        GPU, this router's own requests first: they are exact, while the other routers' come
+        from reports of different ages per engine, which in a burst steer every router the
+        same way; each router even on its own keeps the sum even. Across GPUs the cost
+        already weighs every router's load, and the total decides."""
         one_gpu = len({self.load.device.get(r) for r in near}) == 1 and \
             self.load.device.get(near[0]) is not None
 

@@ -2,11 +2,11 @@
 longest earlier prompt text that the new prompt starts with.
 
 A conversation's next prompt is its previous prompt, the answer and the new message, so most
-of every later turn's tokenizing (~1 µs a token, 3 ms for a 2.5k-token prompt, on the
-renderer's thread) repeats work already done. A fast (Rust) tokenizer splits its input at
-added special tokens before normalizing or merging anything, so where a text is cut right
-after such a token, ids(head + tail) == ids(head) + ids(tail). The cut points are the ends of
-the chat template's special tokens (`<|im_end|>`, `<|start_header_id|>`, …).
+of every later turn's tokenizing (about linear in the prompt's tokens, on the renderer's
+thread; docs/log/cpu-router-hop.md) repeats work already done. A fast (Rust) tokenizer
+splits its input at added special tokens before normalizing or merging anything, so where a
+text is cut right after such a token, ids(head + tail) == ids(head) + ids(tail). The cut
+points are the ends of the chat template's special tokens (`<|im_end|>`, `<|start_header_id|>`, …).
 
 Installed only where that identity holds for the tokenizer at hand (`boundary_tokens`: a
 fast tokenizer that splits special tokens out; tokens unnormalized, stripping nothing, not
