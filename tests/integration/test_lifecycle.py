@@ -174,6 +174,7 @@ def test_a_start_on_a_held_port_names_the_holder(app_config):
     """Instead of an HAProxy that cannot bind and a leftover that answers 500."""
     import socket
 
+    before = set(_ray_running())  # another user's Ray, if any, is not this start's
     with socket.create_server(("127.0.0.1", PORTS["http"])):
         out = subprocess.run([RAYATTN, "serve", str(app_config)], cwd=ROOT, timeout=120,
                              capture_output=True, text=True, env={**os.environ, **MAKE_ENV})
@@ -182,4 +183,4 @@ def test_a_start_on_a_held_port_names_the_holder(app_config):
     assert len(lines) == 1, out.stderr
     assert f"port {PORTS['http']} (http_options.port) is held by" in lines[0]
     assert f"(pid {os.getpid()})" in lines[0]
-    assert not _ray_running()  # nothing was started
+    assert set(_ray_running()) <= before  # nothing was started
