@@ -137,8 +137,12 @@ def _replace(out: Path, tmp: Path, stamp: dict) -> None:
     process was first with the same stamp, its copy stays."""
     if out.exists() and not _stamped(out, stamp):
         old = out.with_name(f".old-{out.name}-{os.getpid()}")
-        out.rename(old)
-        shutil.rmtree(old, ignore_errors=True)
+        try:
+            out.rename(old)
+        except FileNotFoundError:  # another process moved it aside first
+            pass
+        else:
+            shutil.rmtree(old, ignore_errors=True)
     try:
         tmp.rename(out)
     except OSError:  # another process was first

@@ -15,6 +15,7 @@ request (it may be what crashed it): that one is answered 503 and counted in the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 import uuid
@@ -204,15 +205,20 @@ class Dispatcher:
                          route.prompt_tokens, d.predicted_cached_tokens, n + 1)
             if self.metrics is not None:
                 self.metrics.decision(d)
-            async for chunk in self._call(d, req, route, tenant):
-                yield chunk, d
+            # aclosing: when the retry loop closes this attempt (the caller left), the
+            # engine call ends and its load is released now, not when the abandoned
+            # generator is finalized.
+            async with contextlib.aclosing(self._call(d, req, route, tenant)) as chunks:
+                async for chunk in chunks:
+                    yield chunk, d
 
         def retry(err: EngineCallError, n: int, delivered: bool) -> bool:
             return self._judge(err.cause, chosen[-1].replica, n, delivered, req, prompt)
 
         try:
-            async for item in retrying(attempt, retry, buffered):
-                yield item
+            async with contextlib.aclosing(retrying(attempt, retry, buffered)) as items:
+                async for item in items:
+                    yield item
             self.counts["succeeded"] += 1
         finally:
             if self.metrics is not None:

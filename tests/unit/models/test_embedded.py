@@ -57,3 +57,21 @@ def test_tiny_mla_rejects_mha_backend(tmp_path):
     args["attention"] = {"backend": "CPU_ATTN"}
     with pytest.raises(PlanError, match="attention.backend: CPU_ATTN is an MHA backend"):
         build_plan(parse_args(args))
+
+
+def test_a_stale_model_moved_aside_by_another_process_first_is_replaced_all_the_same(
+        tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from rayattn.models import embedded
+
+    out, tmp = tmp_path / "m", tmp_path / "m.tmp"
+    tmp.mkdir()
+    stamp = {"format": 1}
+    (tmp / "rayattn-prepared.json").write_text(json.dumps(stamp))
+    real_exists = Path.exists
+    # `out` was there (stale) when this process looked, and gone when it moved it aside.
+    monkeypatch.setattr(Path, "exists", lambda p: p == out or real_exists(p))
+    embedded._replace(out, tmp, stamp)
+    monkeypatch.undo()
+    assert embedded._stamped(out, stamp) and not tmp.exists()
