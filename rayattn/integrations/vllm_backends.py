@@ -35,7 +35,8 @@ def backend_facts(name: str) -> dict[str, Any] | None:
     names = installed_backend_names()
     if not names or name not in names:
         return None
-    facts = vllm_facts.cached(f"attention_backend/{name}", lambda: _read_facts(name))
+    facts = vllm_facts.cached(f"attention_backend/{name}", lambda: _read_facts(name),
+                              keep_none=True)
     return None if facts is None else {k: tuple(v) if k in _TUPLES else v
                                        for k, v in facts.items()}
 

@@ -36,9 +36,11 @@ def _path(installation: str) -> Path:
     return cache_root() / "vllm-facts" / f"{compat.vllm_version()}-{digest}.json"
 
 
-def cached(key: str, read: Callable[[], Any]) -> Any:
+def cached(key: str, read: Callable[[], Any], keep_none: bool = False) -> Any:
     """`read()`'s JSON-able answer for this vLLM installation, from disk where an earlier
-    process read it, else read now and kept. Without vLLM, read every time."""
+    process read it, else read now and kept. Without vLLM, read every time. A None answer
+    is kept only with `keep_none` (a backend class that does not import on this build
+    never will); elsewhere it may be a passing failure, read again next time."""
     installation = _installation()
     if installation is None:
         return read()
@@ -50,6 +52,8 @@ def cached(key: str, read: Callable[[], Any]) -> Any:
     if key in known:
         return known[key]
     value = read()
+    if value is None and not keep_none:
+        return None
     known[key] = value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

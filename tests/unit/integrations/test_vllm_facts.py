@@ -43,3 +43,14 @@ def test_backend_facts_from_disk_equal_those_read_from_vllm(tmp_path, monkeypatc
         vllm_backends.backend_facts.cache_clear()
         vllm_backends.installed_backend_names.cache_clear()
     assert fresh is not None and first == fresh and again == fresh
+
+
+def test_a_failed_read_is_read_again_unless_told_to_keep_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RAYATTN_CACHE", str(tmp_path))
+    answers = iter([None, ["A"]])
+    assert vllm_facts.cached("names", lambda: next(answers)) is None
+    assert vllm_facts.cached("names", lambda: next(answers)) == ["A"]  # read again
+    reads: list[int] = []
+    assert vllm_facts.cached("cls", lambda: reads.append(1), keep_none=True) is None
+    assert vllm_facts.cached("cls", lambda: reads.append(1), keep_none=True) is None
+    assert reads == [1]
