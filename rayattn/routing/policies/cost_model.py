@@ -35,8 +35,8 @@ class CostModel:
         prefills, the time during which any of them was in progress (the union of their
         scheduled → first-token spans, on the engine's own clock) per token they computed.
         One request's span alone covers every prompt batched with it: a cache hit that
-        computed 50 tokens next to cold prompts took seconds, which per token is 100× the
-        engine's rate and made every queued prefill look prohibitive. The fleet's rate is
+        computed a few tokens next to cold prompts took seconds, which per token is many
+        times the engine's rate and made every queued prefill look prohibitive. The fleet's rate is
         the upper median engine's (of two engines the slower one's: pricing prefill on the
         slow side keeps conversations home). Only this router's requests are measured; with
         several routers sharing an engine the others' prefills fill the same spans, so the

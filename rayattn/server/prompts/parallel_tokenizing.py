@@ -1,9 +1,9 @@
 """Tokenize one long text in pieces on several cores, with the ids of tokenizing it whole.
 
 A new conversation's prompt (a document, a long tool output) is tokenized in full by the
-router; one fast tokenizer call is single-threaded (~1–1.5 µs a token, most of it the
-pre-tokenizer's regex), so a 2k-token prompt costs milliseconds of the router's hop however
-many cores the host has. Cut into pieces, `encode_batch` runs them on the Rust tokenizer's
+router; one fast tokenizer call is single-threaded and linear in the tokens (most of it the
+pre-tokenizer's regex), so a document-sized prompt costs milliseconds of the router's hop
+however many cores the host has. Cut into pieces, `encode_batch` runs them on the Rust tokenizer's
 thread pool and releases the GIL.
 
 Where the ids stay exact: a fast tokenizer takes added tokens out, normalizes the text,
@@ -181,7 +181,7 @@ class PieceTokenizer:
     def whole(self, text: str) -> list[int]:
         """The ids of `text` (no special tokens added) in one call of the Rust tokenizer: for
         a tokenizer `install` took, what transformers' call returns, without its Python
-        around it (~40–100 µs a call, as much as tokenizing a short tail). One piece through
+        around it (which costs as much as tokenizing a short tail). One piece through
         `encode_batch`, as transformers calls it: the backend's `encode` would hold the GIL
         while it tokenizes, and a new document the cores leave uncut takes milliseconds, in
         which the router's event loop and its other renderer threads must run."""
