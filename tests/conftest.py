@@ -112,7 +112,7 @@ def ray_cluster():
     ours = [p for p in vllm_processes() if p not in before]
     serve.shutdown()
     ray.shutdown()
-    # Stopping Serve and Ray must not leave engine processes behind (issue 11).
+    # Stopping Serve and Ray must not leave engine processes behind.
     left = still_running(ours, until=time.time() + 30)
     assert not left, f"vLLM engine processes outlived serve.shutdown + ray.shutdown: {left}"
 

@@ -1,4 +1,4 @@
-"""One engine replica running vLLM's DP-attention inside itself (issue 27): the router's
+"""One engine replica running vLLM's DP-attention inside itself: the router's
 rank-aware routing (router.dp_rank_routing: each DP rank a target of its own, vLLM told the
 rank) against vLLM's internal DP balancer (one target per replica), on the same engine.
 

@@ -61,7 +61,7 @@ def workloads(scale: int, doc_words: int = DOC_WORDS, user_words: int = USER_WOR
         # new notes every turn, 64-token answers. With bench/gpu's 32000-token random
         # tokenizer (~3.1 tokens a word) the defaults make 4.7k → 7.6k-token prompts;
         # --doc-words 650 --user-words 160 the 2k-token document and ~500 tokens a turn of
-        # issue 23's workload.
+        # the router-tier workload.
         "doc_chat": doc_chat(conversations=64 * scale, turns=4, doc_words=doc_words,
                              user_words=user_words, max_tokens=64, seed=3),
         # Agents: 4 long tool prompts (~1.6k tokens) shared by 64 × scale sessions of 6 turns,

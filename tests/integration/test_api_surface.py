@@ -33,7 +33,7 @@ def _router(name: str, args: dict, env: dict[str, str], engines):
 @pytest.fixture(scope="module")
 def tenants(server):
     """A second router on the same engines whose keys come from its environment, with a
-    per-key cap on the engines (issue 25, item 7): `key-one` and `key-two` for the key and
+    per-key cap on the engines: `key-one` and `key-two` for the key and
     isolation tests, `greedy-key` and `light-key` for the fair-share one (one router start
     for both)."""
     from ray import serve

@@ -1,4 +1,4 @@
-"""Hostile requests against the real router in front of the shared engines (issue 25):
+"""Hostile requests against the real router in front of the shared engines:
 each one asks for work far beyond what one request may cost, and must get a 400 naming the
 field and the limit before it reaches an engine; the surfaces that list the router's routes
 are closed."""

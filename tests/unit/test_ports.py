@@ -121,7 +121,7 @@ def test_holder_names_the_listening_process():
 
 
 def test_a_process_taking_every_ephemeral_port_does_not_take_a_picked_one():
-    """The race of issue 48, made certain: between the choice of a port and the bind,
+    """The port race, made certain: between the choice of a port and the bind,
     another process takes every port the kernel hands out. A port taken the old way (bind
     0, close) is gone; one from pick_port is still there for its server."""
     if os.geteuid() != 0 or not shutil.which("unshare") or not shutil.which("ip"):
