@@ -86,12 +86,10 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
     url = f"http://127.0.0.1:{PORTS['http']}"
     assert ports.holder(PORTS["http"]) is None, "the port is held before the start"
     with log.open("w") as out:
-        # A terminal's Ctrl-C reaches a process whose SIGINT is the default; a shell's
-        # background job (a CI runner's, `make test &`) inherits it ignored, and Python then
-        # never raises KeyboardInterrupt.
+        # SIGINT as this process has it: ignored where the suite runs as a shell's background
+        # job (a CI runner, `make test &`), which `rayattn serve` must undo to stop on it.
         proc = subprocess.Popen([RAYATTN, "serve", str(config)], cwd=ROOT, env=env,
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-                                preexec_fn=_terminal_signals)
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.time() + 300
     while True:
         assert proc.poll() is None, f"rayattn serve exited {proc.returncode}: " \
@@ -108,10 +106,6 @@ def _start(config: Path, log: Path) -> tuple[subprocess.Popen, float]:
         time.sleep(0.5)
     areas.progress(f"lifecycle: serving after {time.time() - t0:.0f}s")
     return proc, t0
-
-
-def _terminal_signals() -> None:
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _cmdline(pid: int) -> str:
