@@ -35,6 +35,8 @@ class Engine(EngineReplica):
         await self.openai.get()
 
 
+# Serve's default share of replicas a rolling update replaces at a time.
+ROLLING_UPDATE_FLOOR = 0.2
 # Serve slots per engine kept free of generation for the routers' control calls.
 CONTROL_HEADROOM = 64
 # Serve's own cap on one router replica: far above any admission limit, because the router
@@ -139,8 +141,12 @@ def build_app(args: dict[str, Any]) -> Application:
         # reconfigure) and are not part of anyone's init args: changing them restarts
         # nothing, and engines never see them.
         own = {k: v for k, v in margs.items() if k != "router"}
-        engines[cfg.model.name] = Engine.options(
-            **engine_options(plan, engine_deployment(cfg, several))).bind(own)
+        engine = Engine.options(**engine_options(plan, engine_deployment(cfg, several)))
+        # As many replaced at once as the surge sets devices aside for (at least Serve's 20 %).
+        surge = cfg.serve.engine_max_surge_percent / 100
+        if surge > ROLLING_UPDATE_FLOOR:
+            engine = serve_private.replacing_at_once(engine, surge)
+        engines[cfg.model.name] = engine.bind(own)
     shared = {k: v for k, v in args.items() if k != "router"}
     return Router.options(**router_options(parse_args(per_model[0]))).bind(shared, engines)
 

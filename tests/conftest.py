@@ -110,9 +110,10 @@ def ray_cluster():
     before = set(vllm_processes())  # someone else's, if any: not ours to judge
     yield {"metrics_port": metrics_port, "http_port": http_port}
     ours = [p for p in vllm_processes() if p not in before]
-    serve.shutdown()
+    # Ray's stop, as `ray stop` does, without serve.shutdown(): that would hold every router
+    # reachable for the drain period above, for clients that no longer exist.
     ray.shutdown()
-    # Stopping Serve and Ray must not leave engine processes behind.
+    # Stopping Ray must not leave engine processes behind.
     left = still_running(ours, until=time.time() + 30)
     assert not left, f"vLLM engine processes outlived serve.shutdown + ray.shutdown: {left}"
 

@@ -497,9 +497,10 @@ class ServeSettings(_Strict):
     a change is applied without restarting engines."""
     engine_max_surge_percent: int = Field(0, ge=0, le=100)
     """Extra engine replicas (percent of the count, rounded up) Serve may start during a
-    rolling update before stopping old ones. 0 (default): one replica is drained and
-    replaced at a time while the others serve — no extra devices needed, one replica's
-    capacity missing meanwhile."""
+    rolling update before stopping old ones; that many are replaced at once, since their
+    devices are set aside anyway (100: every replica at once, the old ones serving until the
+    new ones do). 0 (default): one replica is drained and replaced at a time while the
+    others serve — no extra devices needed, one replica's capacity missing meanwhile."""
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)
     """Extra Ray actor options for engine replicas (runtime_env, resources, …)."""
     placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = "STRICT_PACK"

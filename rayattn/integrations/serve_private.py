@@ -1,11 +1,21 @@
 """Ray Serve's private API, as rayattn uses it: its controller (one deployment's config), its
-client's declarative deploy, and the HAProxy ingress settings Serve read at import. Each is
-pinned by tests/unit/integrations/test_serve_private.py."""
+client's declarative deploy, a rolling update's share, and the HAProxy ingress settings Serve
+read at import. Each is pinned by tests/unit/integrations/test_serve_private.py."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
+
+
+def replacing_at_once(deployment: Any, share: float) -> Any:
+    """`deployment` with Serve's rolling_update_percentage set to `share`: Serve's config
+    files take it, `Deployment.options()` does not. Marked as user-set, as the config file
+    would, so a redeploy keeps it."""
+    config = deployment._deployment_config
+    config.rolling_update_percentage = share
+    config.user_configured_option_names.add("rolling_update_percentage")
+    return deployment
 
 
 async def serve_autoscales(app: str, deployment: str) -> bool | None:

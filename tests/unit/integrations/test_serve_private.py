@@ -143,3 +143,21 @@ def test_a_handle_can_call_by_value_with_pickle():
     pins.params(DeploymentHandle.options, "stream", "_by_reference", "request_serialization",
                 "response_serialization",
                 user="rayattn/server/forwarding/transport.py")
+
+
+def test_replacing_at_once_reaches_serves_deployment_config():
+    """The share survives Serve's own serialization of the deployment (what the controller
+    gets from a declarative deploy), as a user-set option."""
+    from ray import serve
+    from ray.serve.deployment import deployment_to_schema
+
+    @serve.deployment
+    class D:
+        pass
+
+    d = serve_private.replacing_at_once(D.options(max_surge_percent=100), 1.0)
+    schema = deployment_to_schema(d)
+    assert schema.rolling_update_percentage == 1.0
+    assert "rolling_update_percentage" in d._deployment_config.user_configured_option_names
+    # The unmodified deployment leaves it to Serve's default.
+    assert deployment_to_schema(D).rolling_update_percentage != 1.0
