@@ -17,6 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayattn.config.loader import ENGINE_DEPLOYMENT, engine_deployment, model_args, parse_args
 from rayattn.config.plan import Plan, build_plan
+from rayattn.config.router_tier import RouterBounds, router_bounds, routing_targets
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
@@ -56,7 +57,10 @@ ROUTER_UNIT = 0.001
 """Of serve.router_node_resource, per router replica: a node declaring 1 takes up to 1000."""
 
 
-def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
+def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT,
+                   routers: int | None = None) -> dict[str, Any]:
+    """The engine deployment's Serve options; `routers`: the most router replicas that call
+    it (default: as many as the config alone implies)."""
     cfg = plan.config
     bundle0 = plan.bundles[0]
     actor: dict[str, Any] = {
@@ -72,7 +76,8 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
     runtime_env["env_vars"] = {**cpu_priority.cluster_env(), **plan.env,
                                **runtime_env.get("env_vars", {})}
     actor["runtime_env"] = runtime_env
-    routers = cfg.serve.max_routers
+    if routers is None:
+        routers = router_bounds(cfg, routing_targets([cfg]), None).max
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
     if cfg.serve.engine_autoscaling is not None:
         scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}
@@ -101,8 +106,11 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT) -> dict[str, Any]:
     )
 
 
-def router_options(cfg: RayAttnConfig) -> dict[str, Any]:
-    """The router deployment's Serve options."""
+def router_options(cfg: RayAttnConfig, bounds: RouterBounds | None = None) -> dict[str, Any]:
+    """The router deployment's Serve options; `bounds`: the tier's, as build_app resolved
+    them on the cluster (default: as the config alone implies)."""
+    if bounds is None:
+        bounds = router_bounds(cfg, routing_targets([cfg]), None)
     opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
@@ -121,11 +129,38 @@ def router_options(cfg: RayAttnConfig) -> dict[str, Any]:
         logging_config={"enable_access_log": cfg.serve.access_log},
         user_config=cfg.router.model_dump(mode="json"),
     )
-    if cfg.serve.ingress_autoscaling:
-        opts["autoscaling_config"] = cfg.serve.ingress_autoscaling
-    else:
-        opts["num_replicas"] = cfg.serve.ingress_replicas
+    if bounds.fixed:
+        opts["num_replicas"] = bounds.min
+        return opts
+    tier = cfg.serve.router_tier
+    opts["autoscaling_config"] = {
+        "min_replicas": bounds.min, "max_replicas": bounds.max,
+        "initial_replicas": bounds.min,
+        "upscale_delay_s": tier.upscale_delay_s, "downscale_delay_s": tier.downscale_delay_s,
+        "look_back_period_s": tier.look_back_period_s,
+        "policy": {"policy_function": "rayattn.server.router_scaling:RoutersForCpu",
+                   "policy_kwargs": {"target_cpu": tier.target_cpu}},
+    }
     return opts
+
+
+def spare_cores(plans: list[Plan]) -> float | None:
+    """The CPUs the routers may use where Ray runs: those of the nodes declaring
+    serve.router_node_resource (the manifests' head, where no engine runs), else the
+    cluster's less what every engine replica reserves. None outside a Ray cluster."""
+    import ray
+
+    if not ray.is_initialized():
+        return None
+    resource = plans[0].config.serve.router_node_resource
+    if resource:
+        return sum(n["Resources"].get("CPU", 0.0) for n in ray.nodes()
+                   if n.get("Alive") and resource in n["Resources"])
+    cpus = ray.cluster_resources().get("CPU", 0.0)
+    for plan in plans:
+        replicas = routing_targets([plan.config]) // plan.config.parallelism.dp_ranks
+        cpus -= replicas * sum(b.get("CPU", 0.0) for b in plan.bundles)
+    return max(cpus, 0.0)
 
 
 def build_app(args: dict[str, Any]) -> Application:
@@ -133,22 +168,30 @@ def build_app(args: dict[str, Any]) -> Application:
     one model of `args`)."""
     per_model = model_args(args)
     several = len(per_model) > 1
+    cfgs = [parse_args(margs) for margs in per_model]
+    plans = [build_plan(cfg, prepare_model=True) for cfg in cfgs]
+    bounds = router_bounds(cfgs[0], routing_targets(cfgs), spare_cores(plans))
     engines = {}
-    for margs in per_model:
-        cfg = parse_args(margs)
-        plan = build_plan(cfg, prepare_model=True)
+    for margs, cfg, plan in zip(per_model, cfgs, plans, strict=True):
         # Router settings travel as the router's Serve user_config (applied live through
         # reconfigure) and are not part of anyone's init args: changing them restarts
         # nothing, and engines never see them.
         own = {k: v for k, v in margs.items() if k != "router"}
-        engine = Engine.options(**engine_options(plan, engine_deployment(cfg, several)))
+        engine = Engine.options(**engine_options(plan, engine_deployment(cfg, several),
+                                                 bounds.max))
         # As many replaced at once as the surge sets devices aside for (at least Serve's 20 %).
         surge = cfg.serve.engine_max_surge_percent / 100
         if surge > ROLLING_UPDATE_FLOOR:
             engine = serve_private.replacing_at_once(engine, surge)
         engines[cfg.model.name] = engine.bind(own)
     shared = {k: v for k, v in args.items() if k != "router"}
-    return Router.options(**router_options(parse_args(per_model[0]))).bind(shared, engines)
+    # The routers are told the bounds resolved here (their admin API refuses what would
+    # reach one router of several).
+    serve_args = shared.get("serve") or {}
+    shared["serve"] = {**serve_args, "router_tier": {
+        **(serve_args.get("router_tier") or {}),
+        "min_replicas": bounds.min, "max_replicas": bounds.max}}
+    return Router.options(**router_options(cfgs[0], bounds)).bind(shared, engines)
 
 
 def deploy_config(serve_config: dict[str, Any]) -> None:

@@ -86,6 +86,7 @@ class RayattnApp:
 
         from rayattn.app import deploy_config
         from rayattn.config.loader import parse_args as parse
+        from rayattn.config.router_tier import router_bounds, routing_targets
 
         self.metrics_port = pick_port()
         t0 = time.time()
@@ -102,7 +103,10 @@ class RayattnApp:
         deploy_config(self.serve_config)
         self.replicas = args.get("parallelism", {}).get("data_parallel_size", 1)
         cfg = parse(args)
+        # A fixed router count, or None where the tier sizes itself; `several`: whether a
+        # setting must reach more than one router (then through user_config).
         self.routers, self._router = cfg.serve.ingress_replicas, cfg.router.model_dump(mode="json")
+        self.several = router_bounds(cfg, routing_targets([cfg]), None).max > 1
         self.t0 = t0
 
     def wait(self, timeout: float) -> float:
@@ -123,6 +127,11 @@ class RayattnApp:
 
         # The whole user_config: Serve's replaces the one the app was built with.
         deploy_router(self.serve_config, self.routers, {**self._router, **settings})
+
+    def running_routers(self) -> int:
+        from rayattn.bench.cli import running_routers
+
+        return running_routers()
 
     def engine_infos(self) -> list[dict]:
         """EngineReplica.info() of every replica up, each called through the engine

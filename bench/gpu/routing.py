@@ -318,7 +318,7 @@ def main() -> int:
                 if stack == "rayattn":
                     name_, settings = variant(pol)
                     settings = {**base_settings, **settings}
-                    if app.routers > 1:
+                    if app.several:
                         # Several routers: the settings reach each through user_config;
                         # the reset then finds them set and only empties the caches.
                         app.set_router({"policy": name_, **settings})
@@ -333,6 +333,8 @@ def main() -> int:
                 res, wall = asyncio.run(run_workload(url, name, wl, concurrency=a.concurrency,
                                                      timeout=300, think_s=a.think_s))
                 s = summarize(res, wall)
+                if stack == "rayattn":
+                    s["routers"] = app.running_routers()  # what the tier sized itself to
                 if before is not None:
                     after = peer_counts()
                     s["per_replica"] = {f"server-{i}": after[i] - before[i] for i in range(2)}
@@ -355,7 +357,8 @@ def main() -> int:
                     f"p90={s['ttft_p90_s']:.3f} later p50={s['later_ttft_p50_s']:.3f} "
                     f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
                     f"wall={wall:.1f}s moves={s['moves']} regret={s['regret_tokens']} "
-                    f"split={s['per_replica']}")
+                    f"split={s['per_replica']}"
+                    + (f" routers={s['routers']}" if "routers" in s else ""))
                 if s.get("hops"):
                     log("  hops p50/p99 ms: " + "  ".join(
                         f"{k} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for k, v in s["hops"].items()))

@@ -247,10 +247,11 @@ def _engines_up(url: str) -> list[str]:
     return httpx.get(f"{url}/health", timeout=10).json()["replicas_up"]
 
 
-def deploy_router(serve_config: dict, replicas: int, settings: dict) -> None:
+def deploy_router(serve_config: dict, replicas: int | None, settings: dict) -> None:
     """Redeploy the app's router (the first application of a Serve config, deployed from
-    it) with `replicas` replicas and these settings (a lightweight Serve update: engines
-    keep running) and wait until all of them serve."""
+    it) with `replicas` replicas (None: as many as the tier sizes itself to) and these
+    settings (a lightweight Serve update: engines keep running) and wait until every router
+    replica serves them."""
     from ray import serve
 
     from rayattn.app import deploy_config
@@ -262,18 +263,28 @@ def deploy_router(serve_config: dict, replicas: int, settings: dict) -> None:
     if router is None:
         router = {"name": ROUTER_DEPLOYMENT}
         deps.append(router)
-    router["num_replicas"] = replicas
+    if replicas is not None:
+        router["num_replicas"] = replicas
     router["user_config"] = {**(router.get("user_config") or {}), **settings}
     deploy_config(cfg)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         st = serve.status().applications[app["name"]]
         d = st.deployments[ROUTER_DEPLOYMENT]
-        if str(st.status).endswith("RUNNING") and d.replica_states.get("RUNNING") == replicas \
-                and sum(d.replica_states.values()) == replicas:
+        running = d.replica_states.get("RUNNING", 0)
+        if str(st.status).endswith("RUNNING") and running == sum(d.replica_states.values()) \
+                and running == (replicas or running) and running > 0:
             return
         time.sleep(1)
-    raise TimeoutError(f"router not at {replicas} running replicas")
+    raise TimeoutError(f"router not at {replicas or 'its'} running replicas")
+
+
+def running_routers(app_name: str = "rayattn") -> int:
+    """Router replicas running now (what the tier sized itself to)."""
+    from ray import serve
+
+    d = serve.status().applications[app_name].deployments[ROUTER_DEPLOYMENT]
+    return d.replica_states.get("RUNNING", 0)
 
 
 def stop_local() -> None:

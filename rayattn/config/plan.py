@@ -15,6 +15,7 @@ from typing import Any
 from rayattn import backends, compat
 from rayattn.config import kv_capacity
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
+from rayattn.config.router_tier import router_bounds, routing_targets
 from rayattn.config.schema import RayAttnConfig
 from rayattn.integrations import vllm_engine
 from rayattn.integrations.vllm_parsers import parser_names
@@ -116,7 +117,7 @@ class Plan:
                f"router.dp_rank_routing={c.router.dp_rank_routing})"
                if c.parallelism.dp_ranks > 1 else ""),
             f"replicas:   {self._replicas_text()} engine replica(s) (DP), "
-            f"{c.serve.ingress_replicas} router replica(s), policy={c.router.policy}",
+            f"{self._routers_text()} router replica(s), policy={c.router.policy}",
             *self._kv_text(),
             f"placement:  {self.strategy} {self.bundles} per replica",
             "env:        " + ", ".join(f"{k}={v}" for k, v in sorted(self.env.items())),
@@ -132,6 +133,16 @@ class Plan:
     def _replicas_text(self) -> str:
         lo, hi = self.replica_range
         return str(lo) if lo == hi else f"{lo}..{hi} (autoscaled)"
+
+    def _routers_text(self) -> str:
+        c = self.config
+        bounds = router_bounds(c, routing_targets([c]), None)
+        if bounds.fixed:
+            return str(bounds)
+        tier = c.serve.router_tier
+        unset = tier.max_replicas is None
+        return (f"{bounds} (on their CPU at {tier.target_cpu} cores each"
+                + (", the most from the cluster's spare cores at start" if unset else "") + ")")
 
 
 def _check(cfg: RayAttnConfig, arch: Architecture, spec: backends.BackendSpec,

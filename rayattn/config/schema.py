@@ -460,16 +460,47 @@ class EngineAutoscaling(_Strict):
         return self
 
 
+class RouterTier(_Strict):
+    """The router tier's bounds and the load it aims at. Unset bounds come from the fleet and
+    the cores the routers may use (rayattn/config/router_tier.py); between them Serve adds a
+    router when the routers' CPU asks for one (rayattn/server/router_scaling.py)."""
+
+    min_replicas: PositiveInt | None = None
+    """Routers always running. None: two per engine routing target on accelerators, within
+    half the spare cores; one on `platform.kind: cpu`, whose engines take every core."""
+    max_replicas: PositiveInt | None = None
+    """The most routers. None: a router per spare core (at most 16) on accelerators; one on
+    `platform.kind: cpu`."""
+    target_cpu: float = Field(0.6, gt=0, le=1)
+    """Cores one router's process may use on average before the tier grows: its event loop
+    holds one core at most, so above this it starts to queue."""
+    upscale_delay_s: float = Field(10, ge=0)
+    """How long the routers' CPU must ask for more before one is added."""
+    downscale_delay_s: float = Field(300, ge=0)
+    """How long it must ask for fewer before one is drained (never below min_replicas)."""
+    look_back_period_s: float = Field(15, gt=0)
+    """Window over which each router's CPU is averaged (longer than the 10 s in which each
+    replica reports to Serve)."""
+
+    @model_validator(mode="after")
+    def _bounds(self) -> RouterTier:
+        if self.min_replicas and self.max_replicas and self.min_replicas > self.max_replicas:
+            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
+                             f"({self.max_replicas})")
+        return self
+
+
 class ServeSettings(_Strict):
     max_ongoing_requests: PositiveInt = 64
     """Generation requests one router replica sends one engine replica at once; more wait in
     the router. (The engine's Serve limit is set above this so health probes and cache
     snapshots never queue behind generation.)"""
-    ingress_replicas: PositiveInt = 1
-    """Router (ingress) replicas. Several independent routers agree on affinity via
-    rendezvous tie-breaking on the prefix hash (see docs)."""
-    ingress_autoscaling: dict[str, Any] | None = None
-    """Ray Serve autoscaling_config for the ingress."""
+    ingress_replicas: PositiveInt | None = None
+    """A fixed number of router (ingress) replicas. None (default): the tier sizes itself
+    within `router_tier`'s bounds (rayattn/config/router_tier.py). Several routers agree on
+    affinity through rendezvous tie-breaking on the prefix hash (docs/routing.md)."""
+    router_tier: RouterTier = Field(default_factory=lambda: RouterTier())
+    """How the router tier sizes itself where ingress_replicas is not set."""
     router_loop: Literal["main", "separate"] = "main"
     """Where the router's code runs in its replica. `main`: on the replica's own event loop
     (no thread hand-off per request and per streamed chunk; the fastest hop while the
@@ -514,14 +545,6 @@ class ServeSettings(_Strict):
     """Serve's access log line for every call to a router or engine replica (each generation,
     each probe). Off by default: on a loaded router the log writes cost CPU on the request
     path; rayattn's own metrics and warnings are logged either way."""
-
-    @property
-    def max_routers(self) -> int:
-        """The most router replicas this deployment may run at once (as configured here;
-        Serve's autoscaling defaults to at most 1)."""
-        if self.ingress_autoscaling is not None:
-            return int(self.ingress_autoscaling.get("max_replicas", 1))
-        return self.ingress_replicas
 
 
 class TracingConfig(_Strict):

@@ -91,22 +91,37 @@ def test_api_keys_401_without_and_200_with(keyed):
     assert r.status_code == 401 and "admin" in r.json()["error"]["message"]
 
 
-def test_admin_reset_refuses_a_switch_that_would_reach_one_router_of_several(server):
-    """A request reaches one router replica: where the deployment may run several, a policy
-    switched through /admin/reset would leave the others on the old one (a benchmark would
+def test_the_router_tier_grows_on_its_cpu_and_refuses_a_switch_that_reaches_one(server):
+    """A router tier of 1..2 replicas whose target CPU any traffic exceeds: under requests,
+    Serve's autoscaler (rayattn's policy, run in Serve's controller on the CPU each router
+    reports) starts the second router. A request reaches one router replica: a policy
+    switched through /admin/reset would leave the other on the old one (a benchmark would
     compare a mix). It is refused with what to do instead; a plain reset still works."""
     from ray import serve
 
     args = local_args()
     args["router"] = {**args["router"], "admin_api": True}
-    args["serve"] = {**args.get("serve", {}),
-                     "ingress_autoscaling": {"min_replicas": 1, "max_replicas": 2}}
+    args["serve"] = {**args.get("serve", {}), "router_tier": {
+        "min_replicas": 1, "max_replicas": 2, "target_cpu": 0.01, "upscale_delay_s": 0,
+        "look_back_period_s": 11}}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
     serve.run(_router("router-scaled", args, {}, engines), name="scaled",
               route_prefix="/scaled", blocking=False)
     url = f"{server}/scaled"
+
+    def running() -> int:
+        d = serve.status().applications["scaled"].deployments["router-scaled"]
+        return d.replica_states.get("RUNNING", 0)
+
     try:
         wait_healthy(url)
+        assert running() == 1
+        # Serve's replicas report every 10 s: wait for a report or two, plus the start.
+        deadline = time.monotonic() + 120
+        with httpx.Client(timeout=60) as c:
+            while running() < 2 and time.monotonic() < deadline:
+                assert c.post(f"{url}/v1/chat/completions", json=CHAT).status_code == 200
+        assert running() == 2, "the router tier did not grow under load"
         before = httpx.post(f"{url}/admin/reset", json={}, timeout=60)
         assert before.status_code == 200, before.text
         other = "round_robin" if before.json()["policy"] != "round_robin" else "affinity"

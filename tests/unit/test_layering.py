@@ -73,7 +73,8 @@ def test_routing_has_no_transport():
 # The router's rooms (rayattn/server/), lowest first: the HTTP surface composes the model
 # routes, which compose forwarding over the fleet; tenancy and prompts stand alone.
 SERVER_ROOMS = [
-    {"errors", "background", "loop_watch", "front_door", "haproxy_exec"},
+    {"errors", "background", "loop_watch", "cpu_meter", "router_scaling", "front_door",
+     "haproxy_exec"},
     {"tenancy", "prompts"},
     {"fleet"},
     {"forwarding"},

@@ -11,6 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
+from rayattn.config.router_tier import router_bounds, routing_targets
 from rayattn.config.schema import RayAttnConfig, RouterConfig
 from rayattn.server.errors import APIError, from_validation
 from rayattn.server.http.access import Access
@@ -70,10 +71,11 @@ class AdminAPI:
             {**current, **settings, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
         wanted = want.model_dump()
         changed = [k for k in wanted if wanted[k] != current.get(k)]
-        if changed and self.cfg.serve.max_routers > 1:
+        routers = router_bounds(self.cfg, routing_targets([self.cfg]), None).max
+        if changed and routers > 1:
             # One request reaches one router replica: the others would keep routing with
             # the old settings, and a comparison of policies would mix them.
-            raise APIError(409, f"this deployment runs up to {self.cfg.serve.max_routers} "
+            raise APIError(409, f"this deployment runs up to {routers} "
                            "router replicas and /admin/reset reaches one: change router "
                            "settings through the Serve config's user_config (every replica "
                            "applies it), then reset without them", param=changed[0])

@@ -15,6 +15,8 @@ from fastapi.responses import Response
 from ray import serve
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from rayattn.server import router_scaling
+from rayattn.server.cpu_meter import CpuMeter
 from rayattn.server.errors import APIError
 from rayattn.server.http.ingress import Ingress
 
@@ -36,6 +38,10 @@ async def _validation_error(request: Request, exc: RequestValidationError) -> Re
 @serve.deployment
 @serve.ingress(app)
 class Router(Ingress):
+    def __init__(self, args: dict[str, Any], engines: Any) -> None:
+        super().__init__(args, engines)
+        self.cpu_meter = CpuMeter()
+
     @app.post("/v1/chat/completions")
     async def chat_completions(self, request: Request) -> Response:
         return await self.request_path.handle(request, "chat")
@@ -69,6 +75,10 @@ class Router(Ingress):
         # Open without a key (load balancers and Kubernetes probes call it); the details
         # need the admin key where keys are configured.
         return await self.health.report(request)
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        # Serve's autoscaler asks each router for its load (rayattn/server/router_scaling.py).
+        return {router_scaling.METRIC: self.cpu_meter.read()}
 
     def __del__(self) -> None:
         # Serve calls this when the replica stops: the last batch of spans goes out.
