@@ -36,7 +36,8 @@ class Engine(EngineReplica):
         await self.openai.get()
 
 
-# Serve's default share of replicas a rolling update replaces at a time.
+# Serve's default share of replicas a rolling update replaces at a time (its private
+# DEFAULT_ROLLING_UPDATE_PERCENTAGE).
 ROLLING_UPDATE_FLOOR = 0.2
 # Serve slots per engine kept free of generation for the routers' control calls.
 CONTROL_HEADROOM = 64
@@ -134,8 +135,9 @@ def router_options(cfg: RayAttnConfig, bounds: RouterBounds | None = None) -> di
         return opts
     tier = cfg.serve.router_tier
     opts["autoscaling_config"] = {
+        # No initial_replicas: Serve would go back to it on every config change, a router
+        # setting changed through user_config included, and drain a grown tier under load.
         "min_replicas": bounds.min, "max_replicas": bounds.max,
-        "initial_replicas": bounds.min,
         "upscale_delay_s": tier.upscale_delay_s, "downscale_delay_s": tier.downscale_delay_s,
         "look_back_period_s": tier.look_back_period_s,
         "policy": {"policy_function": "rayattn.server.router_scaling:RoutersForCpu",
@@ -158,7 +160,7 @@ def spare_cores(plans: list[Plan]) -> float | None:
                    if n.get("Alive") and resource in n["Resources"])
     cpus = ray.cluster_resources().get("CPU", 0.0)
     for plan in plans:
-        replicas = routing_targets([plan.config]) // plan.config.parallelism.dp_ranks
+        replicas = routing_targets([plan.config], most=True) // plan.config.parallelism.dp_ranks
         cpus -= replicas * sum(b.get("CPU", 0.0) for b in plan.bundles)
     return max(cpus, 0.0)
 
@@ -179,7 +181,8 @@ def build_app(args: dict[str, Any]) -> Application:
         own = {k: v for k, v in margs.items() if k != "router"}
         engine = Engine.options(**engine_options(plan, engine_deployment(cfg, several),
                                                  bounds.max))
-        # As many replaced at once as the surge sets devices aside for (at least Serve's 20 %).
+        # Up to as many replaced at once as the surge sets devices aside for (at least
+        # Serve's 20 %).
         surge = cfg.serve.engine_max_surge_percent / 100
         if surge > ROLLING_UPDATE_FLOOR:
             engine = serve_private.replacing_at_once(engine, surge)

@@ -103,10 +103,10 @@ class RayattnApp:
         deploy_config(self.serve_config)
         self.replicas = args.get("parallelism", {}).get("data_parallel_size", 1)
         cfg = parse(args)
-        # A fixed router count, or None where the tier sizes itself; `several`: whether a
-        # setting must reach more than one router (then through user_config).
+        # A fixed router count, or None where the tier sizes itself; `many_routers`: whether
+        # a setting must reach more than one router (then through user_config).
         self.routers, self._router = cfg.serve.ingress_replicas, cfg.router.model_dump(mode="json")
-        self.several = router_bounds(cfg, routing_targets([cfg]), None).max > 1
+        self.many_routers = router_bounds(cfg, routing_targets([cfg]), None).max > 1
         self.t0 = t0
 
     def wait(self, timeout: float) -> float:

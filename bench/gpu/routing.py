@@ -318,7 +318,7 @@ def main() -> int:
                 if stack == "rayattn":
                     name_, settings = variant(pol)
                     settings = {**base_settings, **settings}
-                    if app.several:
+                    if app.many_routers:
                         # Several routers: the settings reach each through user_config;
                         # the reset then finds them set and only empties the caches.
                         app.set_router({"policy": name_, **settings})

@@ -264,7 +264,8 @@ def deploy_router(serve_config: dict, replicas: int | None, settings: dict) -> N
         router = {"name": ROUTER_DEPLOYMENT}
         deps.append(router)
     if replicas is not None:
-        router["num_replicas"] = replicas
+        # A fixed count in place of the tier's autoscaling, if the app built one.
+        router.update(num_replicas=replicas, autoscaling_config=None)
     router["user_config"] = {**(router.get("user_config") or {}), **settings}
     deploy_config(cfg)
     deadline = time.monotonic() + 300

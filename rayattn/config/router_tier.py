@@ -8,7 +8,13 @@ hashes and relays every request on one core. On two GPUs with one engine each, o
 lost to sticky routing and four won (docs/results.md), so the floor is two per routing target
 (an engine replica, or each DP rank of one). A router that runs does not share its core with
 another, so the ceiling is the cores the engines leave. CPU engines take every core they
-are given (their OpenMP threads): a second router there only takes time from them."""
+are given (their OpenMP threads): a second router there only takes time from them.
+
+What the app's build sees: its `args` and the Ray cluster as it is then. An engine count set
+only under the Serve config's `deployments:` (an engine `autoscaling_config` there, as
+deployments/llama.yaml has) reaches Serve, not the build, which counts the engines `args`
+name (`rayattn check` reads both and may print a higher floor); and nodes that join later
+are not spare cores. Set `serve.router_tier.min_replicas` where either matters."""
 
 from __future__ import annotations
 
@@ -37,11 +43,14 @@ class RouterBounds:
         return str(self.min) if self.fixed else f"{self.min}..{self.max}"
 
 
-def routing_targets(cfgs: list[RayAttnConfig]) -> int:
-    """Engine routing targets of every model at the most replicas each may run."""
+def routing_targets(cfgs: list[RayAttnConfig], most: bool = False) -> int:
+    """Engine routing targets of every model at the fewest replicas each runs (`most`: at
+    the most it may run)."""
     def replicas(c: RayAttnConfig) -> int:
         auto = c.serve.engine_autoscaling
-        return auto.max_replicas if auto is not None else c.parallelism.data_parallel_size
+        if auto is None:
+            return c.parallelism.data_parallel_size
+        return auto.max_replicas if most else auto.min_replicas
     return sum(replicas(c) * c.parallelism.dp_ranks for c in cfgs)
 
 
@@ -58,5 +67,6 @@ def router_bounds(cfg: RayAttnConfig, targets: int, spare_cores: float | None) -
         return RouterBounds(lo, max(lo, tier.max_replicas or 1))
     cap = MAX_ROUTERS if spare_cores is None else \
         max(1, min(MAX_ROUTERS, math.floor(spare_cores / CORES_PER_ROUTER)))
-    lo = tier.min_replicas or max(1, min(ROUTERS_PER_TARGET * targets, cap // 2))
+    lo = tier.min_replicas or min(max(1, min(ROUTERS_PER_TARGET * targets, cap // 2)),
+                                  tier.max_replicas or MAX_ROUTERS)
     return RouterBounds(lo, max(lo, tier.max_replicas or cap))

@@ -466,8 +466,9 @@ class RouterTier(_Strict):
     router when the routers' CPU asks for one (rayattn/server/router_scaling.py)."""
 
     min_replicas: PositiveInt | None = None
-    """Routers always running. None: two per engine routing target on accelerators, within
-    half the spare cores; one on `platform.kind: cpu`, whose engines take every core."""
+    """Routers always running. None: two per engine routing target the deployment always
+    runs (its engines' minimum), on accelerators, within half the spare cores and within
+    max_replicas; one on `platform.kind: cpu`, whose engines take every core."""
     max_replicas: PositiveInt | None = None
     """The most routers. None: a router per spare core (at most 16) on accelerators; one on
     `platform.kind: cpu`."""
@@ -528,8 +529,8 @@ class ServeSettings(_Strict):
     a change is applied without restarting engines."""
     engine_max_surge_percent: int = Field(0, ge=0, le=100)
     """Extra engine replicas (percent of the count, rounded up) Serve may start during a
-    rolling update before stopping old ones; that many are replaced at once, since their
-    devices are set aside anyway (100: every replica at once, the old ones serving until the
+    rolling update before stopping old ones; up to that many are replaced at once, since
+    their devices are set aside anyway (100: every replica at once, the old ones serving until the
     new ones do). 0 (default): one replica is drained and replaced at a time while the
     others serve — no extra devices needed, one replica's capacity missing meanwhile."""
     ray_actor_options: dict[str, Any] = Field(default_factory=dict)

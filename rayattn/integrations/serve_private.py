@@ -5,10 +5,13 @@ read at import. Each is pinned by tests/unit/integrations/test_serve_private.py.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ray.serve.deployment import Deployment
 
 
-def replacing_at_once(deployment: Any, share: float) -> Any:
+def replacing_at_once(deployment: Deployment, share: float) -> Deployment:
     """`deployment` with Serve's rolling_update_percentage set to `share`: Serve's config
     files take it, `Deployment.options()` does not. Marked as user-set, as the config file
     would, so a redeploy keeps it."""

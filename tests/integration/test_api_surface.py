@@ -115,7 +115,6 @@ def test_the_router_tier_grows_on_its_cpu_and_refuses_a_switch_that_reaches_one(
 
     try:
         wait_healthy(url)
-        assert running() == 1
         # Serve's replicas report every 10 s: wait for a report or two, plus the start.
         deadline = time.monotonic() + 120
         with httpx.Client(timeout=60) as c:
