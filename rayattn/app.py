@@ -140,6 +140,7 @@ def router_options(cfg: RayAttnConfig, bounds: RouterBounds | None = None) -> di
         "min_replicas": bounds.min, "max_replicas": bounds.max,
         "upscale_delay_s": tier.upscale_delay_s, "downscale_delay_s": tier.downscale_delay_s,
         "look_back_period_s": tier.look_back_period_s,
+        "metrics_interval_s": tier.metrics_interval_s,
         "policy": {"policy_function": "rayattn.server.router_scaling:RoutersForCpu",
                    "policy_kwargs": {"target_cpu": tier.target_cpu}},
     }

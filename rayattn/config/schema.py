@@ -475,19 +475,24 @@ class RouterTier(_Strict):
     target_cpu: float = Field(0.6, gt=0, le=1)
     """Cores one router's process may use on average before the tier grows: its event loop
     holds one core at most, so above this it starts to queue."""
-    upscale_delay_s: float = Field(10, ge=0)
+    upscale_delay_s: float = Field(5, ge=0)
     """How long the routers' CPU must ask for more before one is added."""
     downscale_delay_s: float = Field(300, ge=0)
     """How long it must ask for fewer before one is drained (never below min_replicas)."""
-    look_back_period_s: float = Field(15, gt=0)
-    """Window over which each router's CPU is averaged (longer than the 10 s in which each
-    replica reports to Serve)."""
+    look_back_period_s: float = Field(10, gt=0)
+    """Window over which each router's CPU is averaged."""
+    metrics_interval_s: float = Field(2, gt=0)
+    """How often each router reports its CPU to Serve's autoscaler (Serve's default, 10 s,
+    would let a burst end before the tier saw it)."""
 
     @model_validator(mode="after")
     def _bounds(self) -> RouterTier:
         if self.min_replicas and self.max_replicas and self.min_replicas > self.max_replicas:
             raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
                              f"({self.max_replicas})")
+        if self.look_back_period_s <= self.metrics_interval_s:
+            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed "
+                             f"metrics_interval_s ({self.metrics_interval_s})")
         return self
 
 

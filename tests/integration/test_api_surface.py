@@ -103,7 +103,7 @@ def test_the_router_tier_grows_on_its_cpu_and_refuses_a_switch_that_reaches_one(
     args["router"] = {**args["router"], "admin_api": True}
     args["serve"] = {**args.get("serve", {}), "router_tier": {
         "min_replicas": 1, "max_replicas": 2, "target_cpu": 0.01, "upscale_delay_s": 0,
-        "look_back_period_s": 11}}
+        "look_back_period_s": 3, "metrics_interval_s": 1}}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
     serve.run(_router("router-scaled", args, {}, engines), name="scaled",
               route_prefix="/scaled", blocking=False)
@@ -115,7 +115,7 @@ def test_the_router_tier_grows_on_its_cpu_and_refuses_a_switch_that_reaches_one(
 
     try:
         wait_healthy(url)
-        # Serve's replicas report every 10 s: wait for a report or two, plus the start.
+        # A report or two (every second here), then the second router's start.
         deadline = time.monotonic() + 120
         with httpx.Client(timeout=60) as c:
             while running() < 2 and time.monotonic() < deadline:
