@@ -451,13 +451,20 @@ class EngineAutoscaling(_Strict):
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:
-        if self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
-                             f"({self.max_replicas})")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed "
-                             f"metrics_interval_s ({self.metrics_interval_s})")
+        _check_scaling(self.min_replicas, self.max_replicas, self.look_back_period_s,
+                       self.metrics_interval_s)
         return self
+
+
+def _check_scaling(lo: int | None, hi: int | None, look_back_s: float,
+                   interval_s: float) -> None:
+    """Bounds in order, and a look-back window that holds more than one report (Serve
+    warns, and will refuse)."""
+    if lo and hi and lo > hi:
+        raise ValueError(f"min_replicas ({lo}) is above max_replicas ({hi})")
+    if look_back_s <= interval_s:
+        raise ValueError(f"look_back_period_s ({look_back_s}) must exceed "
+                         f"metrics_interval_s ({interval_s})")
 
 
 class RouterTier(_Strict):
@@ -487,12 +494,8 @@ class RouterTier(_Strict):
 
     @model_validator(mode="after")
     def _bounds(self) -> RouterTier:
-        if self.min_replicas and self.max_replicas and self.min_replicas > self.max_replicas:
-            raise ValueError(f"min_replicas ({self.min_replicas}) is above max_replicas "
-                             f"({self.max_replicas})")
-        if self.look_back_period_s <= self.metrics_interval_s:
-            raise ValueError(f"look_back_period_s ({self.look_back_period_s}) must exceed "
-                             f"metrics_interval_s ({self.metrics_interval_s})")
+        _check_scaling(self.min_replicas, self.max_replicas, self.look_back_period_s,
+                       self.metrics_interval_s)
         return self
 
 
