@@ -17,7 +17,7 @@ from ray.serve.schema import ServeDeploySchema
 
 from rayattn.config.loader import ENGINE_DEPLOYMENT, engine_deployment, model_args, parse_args
 from rayattn.config.plan import Plan, build_plan
-from rayattn.config.router_tier import RouterBounds, router_bounds, routing_targets
+from rayattn.config.router_tier import RouterBounds, config_bounds, router_bounds, routing_targets
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
@@ -36,9 +36,6 @@ class Engine(EngineReplica):
         await self.openai.get()
 
 
-# Serve's default share of replicas a rolling update replaces at a time (its private
-# DEFAULT_ROLLING_UPDATE_PERCENTAGE).
-ROLLING_UPDATE_FLOOR = 0.2
 # Serve slots per engine kept free of generation for the routers' control calls.
 CONTROL_HEADROOM = 64
 # Serve's own cap on one router replica: far above any admission limit, because the router
@@ -78,7 +75,7 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT,
                                **runtime_env.get("env_vars", {})}
     actor["runtime_env"] = runtime_env
     if routers is None:
-        routers = router_bounds(cfg, routing_targets([cfg]), None).max
+        routers = config_bounds(cfg).max
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
     if cfg.serve.engine_autoscaling is not None:
         scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}
@@ -111,7 +108,7 @@ def router_options(cfg: RayAttnConfig, bounds: RouterBounds | None = None) -> di
     """The router deployment's Serve options; `bounds`: the tier's, as build_app resolved
     them on the cluster (default: as the config alone implies)."""
     if bounds is None:
-        bounds = router_bounds(cfg, routing_targets([cfg]), None)
+        bounds = config_bounds(cfg)
     opts: dict[str, Any] = dict(
         name="router",
         ray_actor_options={"num_cpus": 0,
@@ -161,8 +158,7 @@ def spare_cores(plans: list[Plan]) -> float | None:
                    if n.get("Alive") and resource in n["Resources"])
     cpus = ray.cluster_resources().get("CPU", 0.0)
     for plan in plans:
-        replicas = routing_targets([plan.config], most=True) // plan.config.parallelism.dp_ranks
-        cpus -= replicas * sum(b.get("CPU", 0.0) for b in plan.bundles)
+        cpus -= plan.replica_range[1] * sum(b.get("CPU", 0.0) for b in plan.bundles)
     return max(cpus, 0.0)
 
 
@@ -185,7 +181,7 @@ def build_app(args: dict[str, Any]) -> Application:
         # Up to as many replaced at once as the surge sets devices aside for (at least
         # Serve's 20 %).
         surge = cfg.serve.engine_max_surge_percent / 100
-        if surge > ROLLING_UPDATE_FLOOR:
+        if surge > serve_private.default_rolling_share():
             engine = serve_private.replacing_at_once(engine, surge)
         engines[cfg.model.name] = engine.bind(own)
     shared = {k: v for k, v in args.items() if k != "router"}

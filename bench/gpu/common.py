@@ -86,7 +86,7 @@ class RayattnApp:
 
         from rayattn.app import deploy_config
         from rayattn.config.loader import parse_args as parse
-        from rayattn.config.router_tier import router_bounds, routing_targets
+        from rayattn.config.router_tier import config_bounds
 
         self.metrics_port = pick_port()
         t0 = time.time()
@@ -106,7 +106,7 @@ class RayattnApp:
         # A fixed router count, or None where the tier sizes itself; `many_routers`: whether
         # a setting must reach more than one router (then through user_config).
         self.routers, self._router = cfg.serve.ingress_replicas, cfg.router.model_dump(mode="json")
-        self.many_routers = router_bounds(cfg, routing_targets([cfg]), None).max > 1
+        self.many_routers = config_bounds(cfg).max > 1
         self.t0 = t0
 
     def wait(self, timeout: float) -> float:

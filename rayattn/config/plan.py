@@ -15,7 +15,7 @@ from typing import Any
 from rayattn import backends, compat
 from rayattn.config import kv_capacity
 from rayattn.config.architecture import Architecture, local_model_dir, lookup
-from rayattn.config.router_tier import router_bounds, routing_targets
+from rayattn.config.router_tier import config_bounds
 from rayattn.config.schema import RayAttnConfig
 from rayattn.integrations import vllm_engine
 from rayattn.integrations.vllm_parsers import parser_names
@@ -54,8 +54,7 @@ class Plan:
     @property
     def replica_range(self) -> tuple[int, int]:
         """Fewest and most engine replicas (equal unless the engines autoscale)."""
-        auto = self.config.serve.engine_autoscaling
-        return (self.replicas, auto.max_replicas if auto else self.replicas)
+        return self.config.engine_replica_range
 
     @property
     def gpus_per_replica(self) -> int:
@@ -136,7 +135,7 @@ class Plan:
 
     def _routers_text(self) -> str:
         c = self.config
-        bounds = router_bounds(c, routing_targets([c]), None)
+        bounds = config_bounds(c)
         if bounds.fixed:
             return str(bounds)
         tier = c.serve.router_tier
@@ -399,8 +398,7 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         notes.append("prefix caching is off: the affinity router can only balance load")
 
     bundles, strategy = placement(cfg)
-    auto = cfg.serve.engine_autoscaling
-    replicas = auto.min_replicas if auto else cfg.parallelism.data_parallel_size
+    replicas = cfg.engine_replica_range[0]
     if replicas == 1 and cfg.serve.engine_max_surge_percent == 0:
         notes.append("one engine replica and serve.engine_max_surge_percent 0: an engine "
                      "update stops it before its replacement serves (set the surge to 100 "

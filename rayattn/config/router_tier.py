@@ -46,12 +46,13 @@ class RouterBounds:
 def routing_targets(cfgs: list[RayAttnConfig], most: bool = False) -> int:
     """Engine routing targets of every model at the fewest replicas each runs (`most`: at
     the most it may run)."""
-    def replicas(c: RayAttnConfig) -> int:
-        auto = c.serve.engine_autoscaling
-        if auto is None:
-            return c.parallelism.data_parallel_size
-        return auto.max_replicas if most else auto.min_replicas
-    return sum(replicas(c) * c.parallelism.dp_ranks for c in cfgs)
+    return sum(c.engine_replica_range[most] * c.parallelism.dp_ranks for c in cfgs)
+
+
+def config_bounds(cfg: RayAttnConfig) -> RouterBounds:
+    """The bounds as one model's config alone implies them, cores unknown: what a router
+    reads back from the args the app's build resolved."""
+    return router_bounds(cfg, routing_targets([cfg]), None)
 
 
 def router_bounds(cfg: RayAttnConfig, targets: int, spare_cores: float | None) -> RouterBounds:

@@ -590,6 +590,14 @@ class RayAttnConfig(_Strict):
     tracing: TracingConfig = Field(default_factory=TracingConfig)
     """OpenTelemetry traces of each request through router and engine (off by default)."""
 
+    @property
+    def engine_replica_range(self) -> tuple[int, int]:
+        """Fewest and most engine replicas (equal unless the engines autoscale)."""
+        auto = self.serve.engine_autoscaling
+        if auto is None:
+            return self.parallelism.data_parallel_size, self.parallelism.data_parallel_size
+        return auto.min_replicas, auto.max_replicas
+
     @model_validator(mode="after")
     def _events_need_publishers(self) -> RayAttnConfig:
         # Engines are given the config without its router part: nothing to check there.

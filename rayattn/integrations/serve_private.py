@@ -11,6 +11,14 @@ if TYPE_CHECKING:
     from ray.serve.deployment import Deployment
 
 
+def default_rolling_share() -> float:
+    """The share of replicas Serve's rolling update replaces at a time unless told (read
+    when asked: `rayattn check` and `render-k8s` import this module without Ray)."""
+    from ray.serve._private.constants import DEFAULT_ROLLING_UPDATE_PERCENTAGE
+
+    return DEFAULT_ROLLING_UPDATE_PERCENTAGE
+
+
 def replacing_at_once(deployment: Deployment, share: float) -> Deployment:
     """`deployment` with Serve's rolling_update_percentage set to `share`: Serve's config
     files take it, `Deployment.options()` does not. Marked as user-set, as the config file

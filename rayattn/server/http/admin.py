@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from rayattn.config.router_tier import router_bounds, routing_targets
+from rayattn.config.router_tier import config_bounds
 from rayattn.config.schema import RayAttnConfig, RouterConfig
 from rayattn.server.errors import APIError, from_validation
 from rayattn.server.http.access import Access
@@ -71,7 +71,7 @@ class AdminAPI:
             {**current, **settings, **{k: data[k] for k in ("policy", "index") if data.get(k)}})
         wanted = want.model_dump()
         changed = [k for k in wanted if wanted[k] != current.get(k)]
-        routers = router_bounds(self.cfg, routing_targets([self.cfg]), None).max
+        routers = config_bounds(self.cfg).max
         if changed and routers > 1:
             # One request reaches one router replica: the others would keep routing with
             # the old settings, and a comparison of policies would mix them.

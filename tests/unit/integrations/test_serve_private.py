@@ -159,5 +159,6 @@ def test_replacing_at_once_reaches_serves_deployment_config():
     schema = deployment_to_schema(d)
     assert schema.rolling_update_percentage == 1.0
     assert "rolling_update_percentage" in d._deployment_config.user_configured_option_names
-    # The unmodified deployment leaves it to Serve's default.
+    # The unmodified deployment leaves it to Serve's default, the share app.py compares with.
     assert deployment_to_schema(D).rolling_update_percentage != 1.0
+    assert 0 < serve_private.default_rolling_share() < 1
