@@ -346,6 +346,15 @@ class RouterConfig(RouterFields, _Strict):
     of the three processes on the way (engine replica, router, HTTP proxy) would handle
     6,400 messages a second, and every new request's first token waits in the same event
     loops. The first token is never held back."""
+    stream_commit_s: float = Field(1.0, gt=0)
+    """Streaming: a request whose first token has not come this long after its admission
+    starts its response (status 200) and sends an SSE comment line (`: waiting`) this often
+    until the token comes. A proxy in front (Serve's HAProxy) notices a client that left
+    only when it writes to it, and only then hangs up on the router: without these lines a
+    request queued behind a busy fleet or a key's cap runs on an engine for a client that is
+    gone. Before this, every failure gets its own status code; after it, an error event in
+    the stream, as vLLM's own server sends once a stream started. SSE comments are ignored
+    by clients (the OpenAI SDKs included)."""
     engine_transport: Literal["direct", "grpc", "actor"] = "direct"
     """How the router calls engine replicas. `direct`: an HTTP POST to the replica's own
     endpoint on its node's address (an ephemeral port, a bearer token routers learn over

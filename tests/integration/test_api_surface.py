@@ -13,6 +13,7 @@ from tests.conftest import local_args
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2"
+ADMIN_KEY = "keyed-admin"
 CHAT = {"model": MODEL, "max_tokens": 4, "temperature": 0,
         "messages": [{"role": "user", "content": "Say hi."}]}
 
@@ -40,23 +41,34 @@ def tenants(server):
 
     args = local_args()
     args["router"] = {**args["router"], "api_keys_env": "TEST_API_KEYS", "admin_api": True,
-                      "max_inflight": 512, "key_max_inflight": 4}
+                      "admin_keys_env": "TEST_ADMIN_KEYS", "max_inflight": 512,
+                      "key_max_inflight": 4}
     engines = serve.get_deployment_handle("engine", app_name="rayattn")
     keys = "key-one, key-two, greedy-key, light-key"
-    serve.run(_router("router-keyed", args, {"TEST_API_KEYS": keys}, engines),
+    env = {"TEST_API_KEYS": keys, "TEST_ADMIN_KEYS": ADMIN_KEY}
+    serve.run(_router("router-keyed", args, env, engines),
               name="keyed", route_prefix="/keyed", blocking=False)
     url = f"{server}/keyed"
     # /health is open, so readiness needs no key.
     wait_healthy(url)
     yield url
-    # The greedy key's cancelled streams may still hold engine slots: the router ends each
-    # when it sees the hang-up. What follows needs idle engines, not this router's exit.
     serve.delete("keyed", _blocking=False)
+    _engines_idle(server)  # what follows needs idle engines, not this router's exit
+
+
+def _engines_idle(server: str) -> None:
+    """Once no engine runs or holds a request (what follows a load needs idle engines)."""
     deadline = time.monotonic() + 120
     while any(e["inflight"] or e["unfinished"] for e in httpx.get(
             f"{server}/health", timeout=30).json()["engines"].values()):
         assert time.monotonic() < deadline, "the shared engines never went idle"
         time.sleep(0.25)
+
+
+def _engine_calls(url: str) -> float:
+    """The engine calls a router has made (its /health details, for its admin key)."""
+    r = httpx.get(f"{url}/health", timeout=30, headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+    return r.json()["counts"]["direct_calls"]
 
 
 @pytest.fixture
@@ -227,11 +239,17 @@ def test_one_tenant_cannot_learn_from_the_cache_what_another_sent(keyed):
     assert cached(chat(a, messages, "conv")) >= first["usage"]["prompt_tokens"] // 32 * 32 - 32
 
 
-def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):
+def test_a_greedy_key_does_not_starve_another(shared_by_two_keys, server):
     """200 long streams from one key; another key's short requests keep their time to first
     token within 2x of what they get on idle engines. Before, the greedy key took every
     engine slot this router may use (and the engines' own queues), and the other key's
-    requests waited for its streams to end."""
+    requests waited for its streams to end.
+
+    Then the greedy client hangs up on its streams, most still queued behind its key's cap:
+    they never reach an engine. Before router.stream_commit_s, HAProxy (which notices a
+    client that left only when it writes to it) kept each queued request's connection to
+    the router open, and every one of them ran on an engine in turn for nobody (200 engine
+    calls, 34 s of engine time after the client left)."""
     import asyncio
     import statistics
     import time
@@ -270,12 +288,20 @@ def test_a_greedy_key_does_not_starve_another(shared_by_two_keys):
             hogs = [asyncio.create_task(hog(c, i)) for i in range(200)]
             await asyncio.sleep(8)  # the greedy streams are running and queued
             busy = [await ttft(c, 100 + i) for i in range(20)]
+            calls.append(_engine_calls(shared_by_two_keys))
             for h in hogs:
                 h.cancel()
             await asyncio.gather(*hogs, return_exceptions=True)
         return idle, busy
 
+    calls: list[float] = [_engine_calls(shared_by_two_keys)]
     idle, busy = asyncio.run(go())
+    _engines_idle(server)
+    calls.append(_engine_calls(shared_by_two_keys))
+    hogs_on_engines = calls[2] - calls[0] - 21 - 20  # the light key's warm-up, idle, busy
+    print(f"greedy streams that reached an engine: {hogs_on_engines:.0f} of 200 "
+          f"({calls[2] - calls[1]:.0f} after the client hung up)")
+    assert hogs_on_engines < 100, calls
     p90 = lambda xs: statistics.quantiles(xs, n=10)[-1]  # noqa: E731
     print(f"\nlight key TTFT p90 idle {p90(idle):.3f}s, beside 200 greedy streams "
           f"{p90(busy):.3f}s")

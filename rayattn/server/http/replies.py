@@ -35,15 +35,20 @@ class Arrival(NamedTuple):
         return cls(time.perf_counter(), time.time())
 
 
+WAITING = ": waiting\n\n"
+"""An SSE comment: what a stream sends while its first token is awaited (clients skip it)."""
+
+
 class Stream(StreamingResponse):
     """A streaming response that gives its admission slot and its engine call back however
     it ends: finished, client gone, or never started (Starlette does not close a generator
-    it never ran, and the engine call would hold its slot until garbage collection)."""
+    it never ran, and the engine call would hold its slot until garbage collection).
+    `head`: the task awaiting the first item, where the response started before it came."""
 
     def __init__(self, content: AsyncIterator[str], slot: Slot, upstream: Items,
-                 **kw: Any) -> None:
+                 head: asyncio.Future | None = None, **kw: Any) -> None:
         super().__init__(content, **kw)
-        self._slot, self._upstream = slot, upstream
+        self._slot, self._upstream, self._head = slot, upstream, head
         self.on_close: Callable[[], Any] | None = None
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
@@ -51,7 +56,7 @@ class Stream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             try:
-                await self._upstream.aclose()
+                await drop(self._head, self._upstream)
             finally:
                 self._slot.release()
                 if self.on_close is not None:
@@ -68,6 +73,9 @@ class Replies:
     arrived: Arrival
     account: bool
     timeout_s: float
+    commit_s: float
+    """How long a stream's first token is awaited before the response starts anyway, and
+    how often it then sends WAITING (router.stream_commit_s)."""
 
     def headers(self, d: Decision) -> dict[str, str] | None:
         return {REPLICA_HEADER: d.replica} if self.account else None
@@ -94,6 +102,39 @@ class Replies:
         return Stream(self.events(head, d, items, deadline), slot, items,
                       media_type="text/event-stream", headers=self.headers(d))
 
+    def waiting(self, head: asyncio.Future, items: Items, deadline: float, slot: Slot,
+                started: Callable[[Decision], None]) -> Stream:
+        """The SSE response of a request whose first item `head` still awaits: WAITING
+        until it comes, then as `stream`. Whatever ends the request after this is an
+        event in the stream; `started` is told the decision behind a first token."""
+        return Stream(self._waited(head, items, deadline, started), slot, items, head=head,
+                      media_type="text/event-stream")
+
+    async def _waited(self, head: asyncio.Future, items: Items, deadline: float,
+                      started: Callable[[Decision], None]) -> AsyncIterator[str]:
+        loop = asyncio.get_running_loop()
+        try:
+            while not head.done():
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise TimeoutError
+                yield WAITING
+                await asyncio.wait({head}, timeout=min(self.commit_s, left))
+            first, decision = head.result()
+        except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
+            err = None if isinstance(e, StopAsyncIteration) else e
+            yield event(failed_request(err, self.timeout_s).body())
+            yield "data: [DONE]\n\n"
+            return
+        if first.status != 200:
+            # vLLM's own error answer: its JSON body ({"error": ...}) as one event.
+            yield event(json.loads(first.data))
+            yield "data: [DONE]\n\n"
+            return
+        started(decision)
+        async for ev in self.events(first, decision, items, deadline):
+            yield ev
+
     async def events(self, head: Reply, decision: Decision,
                      items: Items, deadline: float) -> AsyncIterator[str]:
         """vLLM's SSE events as the engine produced them; the router's own account of the
@@ -117,6 +158,18 @@ class Replies:
             yield "data: [DONE]\n\n"
         finally:
             await items.aclose()
+
+
+async def drop(head: asyncio.Future | None, items: Items) -> None:
+    """Ends an answer's engine call, whose first item may still be awaited in `head`'s own
+    task (the generator cannot be closed while that task runs it)."""
+    if head is not None:
+        if not head.done():
+            head.cancel()
+            await asyncio.wait({head})
+        if not head.cancelled():
+            head.exception()  # retrieved: nobody else will
+    await items.aclose()
 
 
 def event(payload: dict[str, Any]) -> str:

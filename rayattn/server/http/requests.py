@@ -22,7 +22,7 @@ from rayattn.server.errors import APIError, EngineFailure, client_error, from_va
 from rayattn.server.http.access import Access
 from rayattn.server.http.bases import Bases
 from rayattn.server.http.body import read_object
-from rayattn.server.http.replies import Arrival, Replies
+from rayattn.server.http.replies import Arrival, Replies, drop
 from rayattn.server.http.spans import Spans
 from rayattn.server.model_route import ModelRoute
 from rayattn.server.tenancy import field_limits
@@ -96,7 +96,7 @@ class RequestPath:
         try:
             return await self._admitted(Admitted(
                 kind, rid, tenant, session, model, data, body, slot,
-                Replies(arrived, account, rc.request_timeout_s), span))
+                Replies(arrived, account, rc.request_timeout_s, rc.stream_commit_s), span))
         except BaseException:
             slot.release()
             raise
@@ -166,14 +166,28 @@ class RequestPath:
 
     async def _streamed(self, x: Admitted, oreq: OpenAIRequest,
                         route: RouteRequest) -> Response:
-        deadline = asyncio.get_running_loop().time() + x.out.timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + x.out.timeout_s
         # The first item before the response starts: a request that fails before any
-        # output (no replica, vLLM rejects it, timeout) gets its real status code.
+        # output (no replica, vLLM rejects it, timeout) gets its real status code, unless
+        # the first item takes longer than the commit time (replies.Replies.waiting).
         items = x.model.dispatcher.generate(oreq, route, tenant=x.tenant)
+        head = asyncio.ensure_future(anext(items))
         try:
-            async with asyncio.timeout_at(deadline):
-                first, decision = await anext(items)
-        except (APIError, EngineFailure, TimeoutError, StopAsyncIteration) as e:
+            await asyncio.wait({head}, timeout=min(x.out.commit_s, deadline - loop.time()))
+        except BaseException:
+            await drop(head, items)
+            raise
+        if not head.done():
+            if loop.time() < deadline:
+                return x.out.waiting(head, items, deadline, x.slot,
+                                     lambda d: self._started(x, d))
+            await drop(head, items)
+            x.slot.release()
+            return x.out.failed(TimeoutError())
+        try:
+            first, decision = head.result()
+        except (APIError, EngineFailure, StopAsyncIteration) as e:
             x.slot.release()
             await items.aclose()
             return x.out.failed(None if isinstance(e, StopAsyncIteration) else e)
@@ -184,10 +198,14 @@ class RequestPath:
             x.slot.release()
             await items.aclose()
             return x.out.passthrough(first, decision)
+        self._started(x, decision)
+        return x.out.stream(first, decision, items, deadline, x.slot)
+
+    def _started(self, x: Admitted, decision: Decision) -> None:
+        """A streamed answer's first token came from the replica `decision` chose."""
         if x.stored is not None:
             x.stored(decision)
         self._routed(x, decision)
-        return x.out.stream(first, decision, items, deadline, x.slot)
 
     async def _buffered(self, x: Admitted, oreq: OpenAIRequest,
                         route: RouteRequest) -> Response:

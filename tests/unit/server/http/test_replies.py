@@ -4,6 +4,7 @@ as an error event, and a stream that gives its slot and engine call back however
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncGenerator
 from typing import Any
@@ -16,6 +17,7 @@ from rayattn.routing.policies import Decision
 from rayattn.server.errors import EngineFailure
 from rayattn.server.http.replies import (
     REPLICA_HEADER,
+    WAITING,
     Arrival,
     Replies,
     Stream,
@@ -87,7 +89,7 @@ def test_ext_accounts_for_the_decision_and_the_routers_own_hop():
 
 @pytest.mark.parametrize("account", [True, False])
 def test_a_whole_answer_is_vllms_bytes_with_the_account_only_for_operators(account):
-    r = Replies(ARRIVED, account, 300).whole(Reply(BODY, final=True, stamps=STAMPS), DECISION)
+    r = Replies(ARRIVED, account, 300, 1.0).whole(Reply(BODY, final=True, stamps=STAMPS), DECISION)
     assert r.status_code == 200 and r.media_type == "application/json"
     if account:
         body = json.loads(r.body)
@@ -100,13 +102,13 @@ def test_a_whole_answer_is_vllms_bytes_with_the_account_only_for_operators(accou
 @pytest.mark.parametrize("account", [True, False])
 def test_vllms_error_passes_through_with_its_status(account):
     err = json.dumps({"error": {"message": "bad", "code": 400}})
-    r = Replies(ARRIVED, account, 300).passthrough(Reply(err, status=422), DECISION)
+    r = Replies(ARRIVED, account, 300, 1.0).passthrough(Reply(err, status=422), DECISION)
     assert r.status_code == 422 and r.body == err.encode()
     assert (REPLICA_HEADER in r.headers) == account
 
 
 def test_a_request_ended_without_an_answer_gets_the_routers_error():
-    replies = Replies(ARRIVED, True, 42.0)
+    replies = Replies(ARRIVED, True, 42.0, 1.0)
     timeout = replies.failed(TimeoutError())
     assert timeout.status_code == 504
     assert json.loads(timeout.body)["error"]["message"] == "request exceeded 42.0s"
@@ -121,7 +123,7 @@ async def test_events_pass_vllms_sse_on_with_the_account_on_the_last_json_event(
     final = Reply(_sse({"id": "c", "choices": [{"delta": {"content": "x"}}]}) + _sse(usage)
                   + "data: [DONE]\n\n", final=True)
     items, closed = _items(Reply(""), final)
-    out = await _drain(Replies(ARRIVED, True, 300).events(head, DECISION, items, 1e12))
+    out = await _drain(Replies(ARRIVED, True, 300, 1.0).events(head, DECISION, items, 1e12))
     assert out[0] == head.data and len(out) == 2  # an empty item sends nothing
     events = [e for e in out[1].split("\n\n") if e]
     assert events[-1] == "data: [DONE]"
@@ -129,7 +131,7 @@ async def test_events_pass_vllms_sse_on_with_the_account_on_the_last_json_event(
     assert "rayattn" not in json.loads(events[0][6:])
     assert closed == ["closed"]
     items, _ = _items(final)
-    plain = await _drain(Replies(ARRIVED, False, 300).events(head, DECISION, items, 1e12))
+    plain = await _drain(Replies(ARRIVED, False, 300, 1.0).events(head, DECISION, items, 1e12))
     assert plain == [head.data, final.data]
 
 
@@ -140,7 +142,7 @@ async def test_events_pass_vllms_sse_on_with_the_account_on_the_last_json_event(
 async def test_a_failure_after_output_started_is_an_error_event_then_done(failure, status):
     head = Reply(_sse({"id": "c", "choices": []}))
     items, closed = _items(*([failure] if failure else []))
-    out = await _drain(Replies(ARRIVED, True, 300).events(head, DECISION, items, 1e12))
+    out = await _drain(Replies(ARRIVED, True, 300, 1.0).events(head, DECISION, items, 1e12))
     assert out[0] == head.data and out[-1] == "data: [DONE]\n\n"
     err = json.loads(out[1].removeprefix("data: "))["error"]
     assert err["code"] == status
@@ -184,3 +186,88 @@ async def test_a_stream_gives_its_slot_and_engine_call_back_however_it_ends():
 async def _drain_to_text(items: AsyncGenerator) -> AsyncGenerator[str, None]:
     async for reply, _ in items:
         yield reply.data
+
+
+def _later(result: Any, after_s: float) -> asyncio.Future:
+    """The task awaiting a stream's first item: `result` (or raised) after `after_s`."""
+    async def first() -> Any:
+        await asyncio.sleep(after_s)
+        if isinstance(result, BaseException):
+            raise result
+        return result
+    return asyncio.ensure_future(first())
+
+
+async def test_a_late_first_token_is_waited_for_with_comments_then_streamed():
+    """The response starts before the first token (so a proxy in front writes to the client
+    and notices one that left); the token and the rest follow as from `stream`."""
+    head = Reply(_sse({"id": "c", "choices": []}), stamps=STAMPS)
+    final = Reply(_sse({"id": "c", "choices": []}) + "data: [DONE]\n\n", final=True)
+    items, closed = _items(final)
+    started: list[Decision] = []
+    replies = Replies(ARRIVED, False, 300, 0.02)
+    out = await _drain(replies._waited(_later((head, DECISION), 0.1), items, 1e12,
+                                       started.append))
+    waits = [e for e in out if e == WAITING]
+    assert len(waits) >= 2 and out[:len(waits)] == waits  # before anything else
+    assert out[len(waits):] == [head.data, final.data]
+    assert started == [DECISION] and closed == ["closed"]
+
+
+@pytest.mark.parametrize("first,status", [
+    (TimeoutError(), 504),  # never came: the router's deadline
+    (EngineFailure("engine-1", RuntimeError("gone"), started=False), 503),
+    ((Reply(json.dumps({"error": {"message": "too long", "code": 400}}), status=400,
+            final=True), DECISION), 400),  # vLLM's own refusal
+])
+async def test_after_the_response_started_a_failure_is_an_error_event(first, status):
+    items, _ = _items()
+    started: list[Decision] = []
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (0.05 if isinstance(first, TimeoutError) else 60)
+    head = _later(first, 3600 if isinstance(first, TimeoutError) else 0.03)
+    out = await _drain(Replies(ARRIVED, False, 300, 0.01)._waited(head, items, deadline,
+                                                                 started.append))
+    assert out[0] == WAITING and out[-1] == "data: [DONE]\n\n"
+    assert json.loads(out[-2].removeprefix("data: "))["error"]["code"] == status
+    assert started == []
+    head.cancel()
+
+
+async def test_a_client_gone_while_the_first_token_is_awaited_ends_the_engine_call():
+    """The stream's end cancels the task awaiting the first item before the engine call is
+    closed (a generator cannot be closed while another task runs it): nothing stays on an
+    engine for a client that left, and the slot comes back."""
+    admission = Admission(4)
+    slot = admission.acquire("key")
+    cancelled: list[str] = []
+
+    async def gen() -> AsyncGenerator[tuple[Reply, Decision], None]:
+        try:
+            await asyncio.sleep(3600)  # queued behind a busy fleet
+            yield Reply("data: {}\n\n"), DECISION
+        except asyncio.CancelledError:
+            cancelled.append("engine call")
+            raise
+
+    items = gen()
+    head = asyncio.ensure_future(anext(items))
+    await asyncio.sleep(0)
+    stream = Replies(ARRIVED, False, 300, 0.01).waiting(head, items, 1e12, slot,
+                                                       lambda d: None)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+        if message.get("body", b"") == WAITING.encode():
+            raise OSError("client gone")  # the proxy hung up when it wrote this
+
+    async def receive() -> dict[str, Any]:
+        await asyncio.sleep(3600)
+        return {"type": "http.disconnect"}
+
+    with pytest.raises(ClientDisconnect):
+        await stream({"type": "http", "asgi": {"spec_version": "2.4"}}, receive, send)
+    assert sent[0]["status"] == 200
+    assert cancelled == ["engine call"] and head.cancelled()
+    assert admission.inflight == 0
