@@ -21,6 +21,7 @@ from rayattn.config.router_tier import RouterBounds, config_bounds, router_bound
 from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority
 from rayattn.engine.replica import EngineReplica
+from rayattn.engine.simulated import SimulatedEngineReplica
 from rayattn.integrations import serve_private
 from rayattn.server.fleet.pinning import REQUEST_ROUTER
 from rayattn.server.http.api import Router
@@ -34,6 +35,11 @@ class Engine(EngineReplica):
         # layer built by then, so that a router's first probe answers at once (during a
         # rolling update the next old replica is stopped the moment this one is listed).
         await self.openai.get()
+
+
+@serve.deployment
+class SimulatedEngine(SimulatedEngineReplica):
+    """engine.simulated: benchmarks and fleet-scale tests only."""
 
 
 # Serve slots per engine kept free of generation for the routers' control calls.
@@ -176,8 +182,9 @@ def build_app(args: dict[str, Any]) -> Application:
         # reconfigure) and are not part of anyone's init args: changing them restarts
         # nothing, and engines never see them.
         own = {k: v for k, v in margs.items() if k != "router"}
-        engine = Engine.options(**engine_options(plan, engine_deployment(cfg, several),
-                                                 bounds.max))
+        kind = SimulatedEngine if cfg.engine.simulated is not None else Engine
+        engine = kind.options(**engine_options(plan, engine_deployment(cfg, several),
+                                               bounds.max))
         # Up to as many replaced at once as the surge sets devices aside for (at least
         # Serve's 20 %).
         surge = cfg.serve.engine_max_surge_percent / 100

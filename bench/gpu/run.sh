@@ -9,6 +9,8 @@
 #   bash bench/gpu/run.sh backends    # extend-path gain per attention backend
 #   bash bench/gpu/run.sh dp-ranks    # one DP-attention replica on 2 GPUs: rank-aware routing
 #                                     # vs vLLM's internal DP balancer (bench/gpu/dp_ranks.py)
+#   bash bench/gpu/run.sh capacity    # the router tier against simulated engines, on the
+#                                     # host's cores (bench/router_capacity.py; no GPU used)
 #
 # Results land in $OUT (the device tool copies them back). Sources: rayattn from /tmp/snap when
 # a snapshot was carried there (so a tree edited while the run goes on cannot change it
@@ -82,6 +84,11 @@ dp-ranks)
   timeout 585 python3 "$TREE/bench/gpu/dp_ranks.py" --model $W/deepseek-v2-lite --out "$OUT" \
     --deadline-s 470 "$@" 2>&1 \
     | tee "$OUT/dp-ranks.log" | grep -v -E "^\s*$|INFO|WARNING|DEBUG" | tail -70
+  ;;
+capacity)
+  timeout 585 python3 "$TREE/bench/router_capacity.py" --model $W/llama-0.85b \
+    --out "$OUT/router_capacity.json" "$@" 2>&1 \
+    | tee "$OUT/capacity.log" | grep -E "^\{|serving in|Error|Traceback" | tail -60
   ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

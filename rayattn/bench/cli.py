@@ -70,9 +70,17 @@ def variant(policy: str) -> tuple[str, dict]:
 
 def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str, float]:
     """Start the local deployment once in this process (Ray + Serve); returns URL, start-up s."""
+    serve_config = yaml.safe_load(Path(config).read_text())
+    serve_config.setdefault("http_options", {})["port"] = port
+    return start_local_config(serve_config)
+
+
+def start_local_config(serve_config: dict) -> tuple[str, float]:
+    """Ray and Serve in this process, serving a Serve config's first application on its
+    http_options.port once every engine is up; returns its URL and the deployment's start-up
+    time (s)."""
     from rayattn import cluster_env
 
-    serve_config = yaml.safe_load(Path(config).read_text())
     # Before Ray (and Serve's constants) are imported here.
     cluster_env.apply(rayattn_apps(serve_config)[0][1].router.session_header)
     import ray
@@ -82,6 +90,7 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
 
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
+    port = serve_config["http_options"]["port"]
     ray.init(address="local", include_dashboard=False)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()

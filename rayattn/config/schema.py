@@ -250,6 +250,26 @@ class KVOffloadConfig(_Strict):
         return self.size_gib > 0
 
 
+class SimulatedEngine(_Strict):
+    """An engine replica without a model (rayattn/engine/simulated.py), for router
+    benchmarks and fleet-scale tests: the router's real protocol (probe, KV events, streamed
+    answers with token ids, load), vLLM's scheduling shape (a batch of at most
+    engine.max_num_seqs sequences, engine.max_num_batched_tokens per step, chunked prefill,
+    an LRU prefix cache of `num_blocks` blocks), and a step time from the coefficients below.
+    Never a default: a config that sets it serves no model."""
+
+    step_ms: float = Field(4.0, ge=0)
+    """Fixed time of one engine step (a decode step of a small batch)."""
+    prefill_us_per_token: float = Field(20.0, ge=0)
+    """Step time added per prompt token computed in the step (cached tokens cost nothing)."""
+    decode_us_per_seq: float = Field(40.0, ge=0)
+    """Step time added per sequence decoding in the step."""
+    num_blocks: PositiveInt = 16384
+    """KV cache capacity in blocks (of the engine's block size)."""
+    max_tokens: PositiveInt = 16
+    """Tokens generated for a request that names no max_tokens."""
+
+
 class EngineConfig(_Strict):
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     """Fraction of device memory vLLM may use (weights + KV). Ignored when
@@ -287,6 +307,9 @@ class EngineConfig(_Strict):
     extra_engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed verbatim to vLLM's AsyncEngineArgs (escape hatch for flags rayattn does not
     model); keys are validated against AsyncEngineArgs when vLLM is installed."""
+    simulated: SimulatedEngine | None = None
+    """Benchmarks and fleet-scale tests only: engine replicas that simulate an engine
+    instead of running vLLM (SimulatedEngine)."""
 
 
 class PlatformConfig(_Strict):
@@ -606,6 +629,13 @@ class RayAttnConfig(_Strict):
         if auto is None:
             return self.parallelism.data_parallel_size, self.parallelism.data_parallel_size
         return auto.min_replicas, auto.max_replicas
+
+    @model_validator(mode="after")
+    def _simulated_engines_use_no_accelerator(self) -> RayAttnConfig:
+        if self.engine.simulated is not None and self.platform.kind != "cpu":
+            raise ValueError("engine.simulated: a simulated engine runs no model and holds no "
+                             "accelerator; set platform.kind: cpu")
+        return self
 
     @model_validator(mode="after")
     def _events_need_publishers(self) -> RayAttnConfig:

@@ -63,7 +63,7 @@ class EngineReplica:
         # vLLM loads here, in the replica, not where Serve builds the application.
         from rayattn.engine import startup
 
-        self.replica_id, self.rank = _serve_identity()
+        self.replica_id, self.rank = serve_identity()
         self.cfg, self.plan = cfg, plan
         self.tracing = tracing.make(cfg.tracing, "engine")
         self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id,
@@ -100,7 +100,7 @@ class EngineReplica:
                                       "platform": self.cfg.platform.kind})
         # Serve renumbers ranks 0..n-1 as replicas come and go: report the current one
         # (the metrics' dp_rank label keeps the rank this replica started with).
-        self.rank = _serve_identity()[1]
+        self.rank = serve_identity()[1]
         devices = await engine_device_info(self)
         # vLLM sums the ranks' capacities; the ranks are configured alike.
         per_rank = self._facts["num_gpu_blocks"] // self.dp_ranks
@@ -256,7 +256,7 @@ def _classify(e: BaseException) -> wire.Raised:
                           engine_crash_types())
 
 
-def _serve_identity() -> tuple[str, int]:
+def serve_identity() -> tuple[str, int]:
     """This replica's id (what the router calls it) and its rank among the deployment's
     replicas (the DP rank in metrics; Serve keeps ranks 0..n-1 as replicas come and go)."""
     try:
