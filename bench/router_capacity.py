@@ -39,11 +39,20 @@ MODEL = "smollm2"
 WORDS = ("alpha beta gamma delta epsilon zeta theta kappa lambda sigma omega river mountain "
          "valley forest ocean desert city harbor bridge tower garden market engine kernel "
          "cache block token router replica prefix decode extend prefill latency budget").split()
-TOKENS_PER_WORD = 1.3  # SmolLM2's tokenizer on WORDS, measured with the router's renderer
+TOKENS_PER_WORD = 1.3
+"""SmolLM2's tokenizer on WORDS; main() measures the model's own."""
 
 
-def words(rng: random.Random, tokens: int) -> str:
-    return " ".join(rng.choices(WORDS, k=max(1, int(tokens / TOKENS_PER_WORD))))
+def words(rng: random.Random, tokens: int, per_word: float = TOKENS_PER_WORD) -> str:
+    return " ".join(rng.choices(WORDS, k=max(1, int(tokens / per_word))))
+
+
+def tokens_per_word(model_dir: str) -> float:
+    from transformers import AutoTokenizer
+
+    sample = words(random.Random(0), 2000)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    return len(tok.encode(sample, add_special_tokens=False)) / len(sample.split())
 
 
 def serve_config(engines: int, sim: dict[str, Any], max_model_len: int,
@@ -73,14 +82,16 @@ class Conversations:
     """One client process's conversations of about `tokens` tokens, each with at most one
     turn in flight."""
 
-    def __init__(self, rng: random.Random, tokens: int, name: str) -> None:
+    def __init__(self, rng: random.Random, tokens: int, name: str, per_word: float) -> None:
         self.rng, self.tokens, self.name, self.n = rng, tokens, name, 0
+        self.per_word = per_word
         self.ready: list[dict[str, Any]] = []
 
     def new(self) -> dict[str, Any]:
         self.n += 1
         return {"session": f"{self.name}-{self.n}", "first": True, "tokens": self.tokens,
-                "messages": [{"role": "user", "content": words(self.rng, self.tokens)}]}
+                "messages": [{"role": "user",
+                              "content": words(self.rng, self.tokens, self.per_word)}]}
 
     def take(self) -> dict[str, Any]:
         return self.ready.pop() if self.ready else self.new()
@@ -91,7 +102,7 @@ class Conversations:
         if conv["tokens"] > 1.25 * self.tokens:
             return  # retired: a new conversation takes its place
         conv["messages"] += [{"role": "assistant", "content": answer},
-                             {"role": "user", "content": words(self.rng, 40)}]
+                             {"role": "user", "content": words(self.rng, 50, self.per_word)}]
         self.ready.append(conv)
 
 
@@ -125,12 +136,12 @@ async def one(client: Any, url: str, body: dict[str, Any], session: str) -> dict
 
 
 async def offer(url: str, rate: float, duration_s: float, kind: str, tokens: int, seed: int,
-                warm_s: float) -> list[dict[str, Any]]:
+                warm_s: float, per_word: float) -> list[dict[str, Any]]:
     """Poisson arrivals at `rate` for `warm_s` (not counted) then `duration_s`."""
     import aiohttp
 
     rng = random.Random(seed)
-    convs = Conversations(rng, tokens, f"c{seed}")
+    convs = Conversations(rng, tokens, f"c{seed}", per_word)
     out: list[dict[str, Any]] = []
     tasks: set[asyncio.Task] = set()
     conn = aiohttp.TCPConnector(limit=0, force_close=False)
@@ -176,8 +187,8 @@ def percentile(xs: list[float], q: float) -> float | None:
 def point(url: str, rate: float, a: argparse.Namespace, kind: str, tokens: int,
           pool: Any) -> dict[str, Any]:
     per = rate / a.clients
-    jobs = [(url, per, a.duration_s, kind, tokens, 1000 * i + int(rate), a.warm_s)
-            for i in range(a.clients)]
+    jobs = [(url, per, a.duration_s, kind, tokens, 1000 * i + int(rate), a.warm_s,
+             a.per_word) for i in range(a.clients)]
     res = [r for part in pool.map(_client, jobs) for r in part]
     ok = [r for r in res if r["status"] == 200 and r["overhead"] is not None]
     over = [r["overhead"] * 1e3 for r in ok]
@@ -204,7 +215,7 @@ def main() -> None:
     ap.add_argument("--warm-s", type=float, default=5)
     ap.add_argument("--clients", type=int, default=4, help="client processes")
     ap.add_argument("--stop-ms", type=float, default=10)
-    ap.add_argument("--step-ms", type=float, default=1.0, help="simulated engine step")
+    ap.add_argument("--step-ms", type=float, default=5.0, help="simulated engine step")
     ap.add_argument("--model", help="model directory (default: the embedded SmolLM2)")
     ap.add_argument("--out", default="bench/results/router_capacity.json")
     a = ap.parse_args()
@@ -215,6 +226,11 @@ def main() -> None:
     sim = {"step_ms": a.step_ms, "prefill_us_per_token": 0.0, "decode_us_per_seq": 0.0,
            "num_blocks": 1_000_000, "max_tokens": 2}
     cfg = serve_config(a.engines, sim, max(tokens) * 2 + 1024, a.model)
+    from rayattn.config.architecture import local_model_dir
+
+    model_dir = a.model or str(local_model_dir(cfg["applications"][0]["args"]["model"]["source"],
+                                               prepare=True))
+    a.per_word = tokens_per_word(model_dir)
     url, startup = start_local_config(cfg)
     print(f"{a.engines} simulated engines serving in {startup:.0f}s", flush=True)
     rows = []
