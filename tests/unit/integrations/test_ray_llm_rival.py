@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import importlib
 
+import pytest
+
 from rayattn.bench.cli import peer_module
 from tests.unit.integrations import pins
 
@@ -15,7 +17,16 @@ USER = "bench/peers/ray_serve_llm.py"
 def test_every_rival_policy_names_an_importable_router():
     for policy, path in RAY_LLM_POLICIES.items():
         module, _, name = path.replace(":", ".").rpartition(".")
-        assert hasattr(importlib.import_module(module), name), (
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as e:
+            if "vLLM is installed but failed to import" not in str(e):
+                raise
+            # Ray Serve LLM of this Ray needs another vLLM than the one installed (Ray 2.60
+            # beside vLLM 0.25 on the GPU image): the rival cannot run here at all.
+            pytest.skip(f"ray.llm {pins.version('ray')} does not run on vLLM "
+                        f"{pins.version('vllm')}: {str(e).splitlines()[-1][:200]}")
+        assert hasattr(imported, name), (
             f"{pins.version('ray')}: no {path} any more; {USER} policy {policy} names it")
 
 
