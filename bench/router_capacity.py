@@ -27,7 +27,6 @@ import multiprocessing as mp
 import os
 import random
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -106,33 +105,16 @@ class Conversations:
         self.ready.append(conv)
 
 
-async def one(client: Any, url: str, body: dict[str, Any], session: str) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    ttft, ext, usage, text, status = None, {}, {}, [], 0
-    async with client.post(f"{url}/v1/chat/completions", json=body,
-                           headers={"x-session-id": session}) as r:
-        status = r.status
-        async for raw in r.content:
-            line = raw.decode().strip()
-            if not line.startswith("data: {"):
-                continue
-            ev = json.loads(line[6:])
-            if "error" in ev:
-                status = ev["error"].get("code", 500)
-                break
-            for ch in ev.get("choices", []):
-                content = ch.get("delta", {}).get("content")
-                if content:
-                    ttft = ttft or time.perf_counter() - t0
-                    text.append(content)
-            usage = ev.get("usage") or usage
-            ext = ev.get("rayattn") or ext
-    details = usage.get("prompt_tokens_details") or {}
-    engine = ext.get("engine_ttft_s")
-    return {"status": status, "ttft": ttft, "engine_ttft": engine,
-            "overhead": ttft - engine if ttft is not None and engine is not None else None,
-            "prompt": usage.get("prompt_tokens", 0), "cached": details.get("cached_tokens", 0),
-            "replica": ext.get("replica"), "answer": "".join(text)}
+async def one(client: Any, url: str, messages: list[dict[str, Any]],
+              session: str) -> dict[str, Any]:
+    from rayattn.bench.driver import chat_turn
+    from rayattn.bench.workloads import Conversation
+
+    r = await chat_turn(client, url, MODEL, messages, Conversation("", [], session, 2), 0, 0.0)
+    ok = r.status == 200 and r.engine_ttft_s is not None
+    return {"status": r.status, "overhead": r.ttft_s - r.engine_ttft_s if ok else None,
+            "prompt": r.prompt_tokens, "cached": r.cached_tokens, "replica": r.replica,
+            "answer": r.output_text}
 
 
 async def offer(url: str, rate: float, duration_s: float, kind: str, tokens: int, seed: int,
@@ -148,10 +130,8 @@ async def offer(url: str, rate: float, duration_s: float, kind: str, tokens: int
     async with aiohttp.ClientSession(connector=conn,
                                      timeout=aiohttp.ClientTimeout(total=120)) as client:
         async def go(conv: dict[str, Any], counted: bool) -> None:
-            body = {"model": MODEL, "messages": conv["messages"], "max_tokens": 2,
-                    "stream": True, "stream_options": {"include_usage": True}}
             try:
-                res = await one(client, url, body, conv["session"])
+                res = await one(client, url, conv["messages"], conv["session"])
             except Exception as e:  # counted as failed, the load goes on
                 res = {"status": -1, "error": repr(e)[:200], "overhead": None}
             if counted and (kind == "new" or not conv["first"]):

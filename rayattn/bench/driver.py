@@ -82,7 +82,7 @@ async def _lines(body: aiohttp.StreamReader) -> AsyncIterator[str]:
         yield bytes(buf).decode()
 
 
-async def _one(client: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
+async def chat_turn(client: aiohttp.ClientSession, url: str, model: str, messages: list[dict],
                conv: Conversation, turn: int, t_origin: float, run: str = "") -> Result:
     # return_token_ids: the oracle needs the tokens the engine generated and cached, which
     # a random-weight model's text does not give back when re-tokenized.
@@ -192,7 +192,7 @@ async def _run_workload(url: str | list[str], model: str, workload: Workload, *,
             pause = random.Random(f"{seed}:{c.session}")
             for t, user in enumerate(c.turns):
                 messages.append({"role": "user", "content": user})
-                res = await _one(client, urls[t % len(urls)], model, list(messages), c, t,
+                res = await chat_turn(client, urls[t % len(urls)], model, list(messages), c, t,
                                  t_origin, run)
                 res.prompt_ids = None
                 results.append(res)

@@ -75,6 +75,12 @@ class Misrouted(RuntimeError):
     request again (server/fleet/pinning.py)."""
 
 
+def check_target(target: str | None, replica: str) -> None:
+    """Refuses a call the router meant for another replica (`target`; None: any)."""
+    if target is not None and target != replica:
+        raise Misrouted(f"call for engine replica {target} reached {replica}")
+
+
 class EngineDown(RuntimeError):
     """Raised by an engine replica whose engine was already dead when a call arrived: the
     request never ran there, so routing it to another replica is safe (unlike a request

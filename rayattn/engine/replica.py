@@ -32,6 +32,7 @@ from rayattn.engine.protocol import (
     OpenAIRequest,
     RankInfo,
     Reply,
+    check_target,
 )
 from rayattn.integrations import patches
 from rayattn.integrations.devices import engine_device_info
@@ -82,8 +83,7 @@ class EngineReplica:
         log.info("engine %s ready: %s", self.replica_id, self._facts)
 
     def _pinned(self, target: str | None) -> None:
-        if target is not None and target != self.replica_id:
-            raise Misrouted(f"call for engine replica {target} reached {self.replica_id}")
+        check_target(target, self.replica_id)
 
     async def info(self, target: str | None) -> EngineInfo:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""

@@ -37,6 +37,7 @@ from rayattn.engine.protocol import (
     OpenAIRequest,
     RankInfo,
     Reply,
+    check_target,
 )
 from rayattn.engine.replica import serve_identity
 from rayattn.engine.sim_core import SimCore, SimRequest
@@ -87,8 +88,7 @@ class SimulatedEngineReplica:
         log.info("simulated engine %s ready: %s", self.replica_id, self._facts)
 
     def _pinned(self, target: str | None) -> None:
-        if target is not None and target != self.replica_id:
-            raise Misrouted(f"call for engine replica {target} reached {self.replica_id}")
+        check_target(target, self.replica_id)
 
     async def info(self, target: str | None) -> EngineInfo:
         self._pinned(target)
