@@ -1,9 +1,11 @@
 """The router tier's capacity: requests per second at a given router overhead, against a
-fleet of simulated engines (engine.simulated) that answer at once, so what is measured is
-the router (HAProxy, the router replicas, their hop to the engines), not an engine.
+fleet of simulated engines (engine.simulated) that answer within milliseconds (a simulated
+step is 5 ms, `--step-ms`), so what is measured is the router (HAProxy, the router
+replicas, their hop to the engines), not an engine.
 
     .venv/bin/python bench/router_capacity.py [--engines 64] [--routers 1,2,4,8,16]
-        [--tokens 2000,8000,32000] [--turns new,continuing] [--rates 100,200,400,800,1600]
+        [--tokens 2000,8000,32000] [--turns new,continuing]
+        [--rates 100,200,400,800,1600,3200]
         [--duration-s 15] [--clients 4] [--model DIR] [--out FILE]
 
 Starts Ray and Serve here with deployments/local.yaml's app, its engines simulated, and for
@@ -14,8 +16,9 @@ router's account carries): HAProxy, the router's parse, render, tokenize, hash a
 both hops, the first chunk's relay. `new` turns are documents nobody sent before;
 `continuing` turns extend conversations of that size by a question (each conversation's
 first turn, and a new conversation once its history passes 1.25× the size, are not
-counted). Per point: offered and achieved requests/s, overhead p50/p99 (ms), hit rate
-(cached / prompt tokens), balance (busiest engine's requests / the mean). Stops a sweep at
+counted in the overhead). Per point: offered and answered requests/s, overhead p50/p99
+(ms) and hit rate (cached / prompt tokens) of the measured turns, balance (busiest
+engine's requests / the mean). Stops a sweep at
 the first rate whose p99 passes `--stop-ms` or that achieves < 90 % of its offer."""
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import multiprocessing as mp
 import os
 import random
 import sys
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -134,7 +138,10 @@ async def offer(url: str, rate: float, duration_s: float, kind: str, tokens: int
                 res = await one(client, url, conv["messages"], conv["session"])
             except Exception as e:  # counted as failed, the load goes on
                 res = {"status": -1, "error": repr(e)[:200], "overhead": None}
-            if counted and (kind == "new" or not conv["first"]):
+            if counted:
+                # Every answer counts toward the rate; only continuing turns (or new ones,
+                # when those are measured) toward the overhead and the hit rate.
+                res["measured"] = kind == "new" or not conv["first"]
                 out.append(res)
             if kind == "continuing" and res.get("status") == 200:
                 convs.answered(conv, res["answer"])
@@ -167,14 +174,19 @@ def percentile(xs: list[float], q: float) -> float | None:
 def point(url: str, rate: float, a: argparse.Namespace, kind: str, tokens: int,
           pool: Any) -> dict[str, Any]:
     per = rate / a.clients
-    jobs = [(url, per, a.duration_s, kind, tokens, 1000 * i + int(rate), a.warm_s,
+    # Documents nobody sent before: a seed per point and client (the engines keep their
+    # caches from one point to the next).
+    point_seed = zlib.crc32(f"{a.routers_now} {kind} {tokens} {rate}".encode()) % 1_000_000
+    jobs = [(url, per, a.duration_s, kind, tokens, point_seed * 100 + i, a.warm_s,
              a.per_word) for i in range(a.clients)]
     res = [r for part in pool.map(_client, jobs) for r in part]
+    answered = sum(1 for r in res if r["status"] == 200)
+    res = [r for r in res if r["measured"]]
     ok = [r for r in res if r["status"] == 200 and r["overhead"] is not None]
     over = [r["overhead"] * 1e3 for r in ok]
     per_replica = Counter(r["replica"] for r in ok)
     prompt = sum(r["prompt"] for r in ok)
-    return {"offered_rps": rate, "achieved_rps": round(len(ok) / a.duration_s, 1),
+    return {"offered_rps": rate, "achieved_rps": round(answered / a.duration_s, 1),
             "requests": len(res), "failed": len(res) - len(ok),
             "overhead_p50_ms": round(percentile(over, 0.5) or 0, 2),
             "overhead_p99_ms": round(percentile(over, 0.99) or 0, 2),
@@ -218,6 +230,7 @@ def main() -> None:
     try:
         for routers in [int(x) for x in a.routers.split(",")]:
             deploy_router(cfg, routers, {})
+            a.routers_now = routers
             for kind in a.turns.split(","):
                 for n in tokens:
                     for rate in [float(x) for x in a.rates.split(",")]:

@@ -182,9 +182,9 @@ def build_app(args: dict[str, Any]) -> Application:
         # reconfigure) and are not part of anyone's init args: changing them restarts
         # nothing, and engines never see them.
         own = {k: v for k, v in margs.items() if k != "router"}
-        kind = SimulatedEngine if cfg.engine.simulated is not None else Engine
-        engine = kind.options(**engine_options(plan, engine_deployment(cfg, several),
-                                               bounds.max))
+        deployment = SimulatedEngine if cfg.engine.simulated is not None else Engine
+        engine = deployment.options(**engine_options(plan, engine_deployment(cfg, several),
+                                                   bounds.max))
         # Up to as many replaced at once as the surge sets devices aside for (at least
         # Serve's 20 %).
         surge = cfg.serve.engine_max_surge_percent / 100

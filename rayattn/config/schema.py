@@ -250,7 +250,7 @@ class KVOffloadConfig(_Strict):
         return self.size_gib > 0
 
 
-class SimulatedEngine(_Strict):
+class SimulatedEngineConfig(_Strict):
     """An engine replica without a model (rayattn/engine/simulated.py), for router
     benchmarks and fleet-scale tests: the router's real protocol (probe, KV events, streamed
     answers with token ids, load), vLLM's scheduling shape (a batch of at most
@@ -307,9 +307,9 @@ class EngineConfig(_Strict):
     extra_engine_kwargs: dict[str, Any] = Field(default_factory=dict)
     """Passed verbatim to vLLM's AsyncEngineArgs (escape hatch for flags rayattn does not
     model); keys are validated against AsyncEngineArgs when vLLM is installed."""
-    simulated: SimulatedEngine | None = None
+    simulated: SimulatedEngineConfig | None = None
     """Benchmarks and fleet-scale tests only: engine replicas that simulate an engine
-    instead of running vLLM (SimulatedEngine)."""
+    instead of running vLLM (SimulatedEngineConfig)."""
 
 
 class PlatformConfig(_Strict):
@@ -370,13 +370,15 @@ class RouterConfig(RouterFields, _Strict):
     6,400 messages a second, and every new request's first token waits in the same event
     loops. The first token is never held back."""
     stream_commit_s: float = Field(1.0, gt=0)
-    """Streaming: a request whose first token has not come this long after its admission
-    starts its response (status 200) and sends an SSE comment line (`: waiting`) this often
-    until the token comes. A proxy in front (Serve's HAProxy) notices a client that left
-    only when it writes to it, and only then hangs up on the router: without these lines a
+    """Streaming: a request still queued behind load (engine slots, its key's turn, KV
+    room) this long after the router dispatched it starts its response (status 200) and
+    sends an SSE comment line (`: waiting`) this often until its first token comes. A
+    proxy in front (Serve's HAProxy) notices a client that left only when it writes to it,
+    and only then hangs up on the router: without these lines a
     request queued behind a busy fleet or a key's cap runs on an engine for a client that is
-    gone. Before this, every failure gets its own status code; after it, an error event in
-    the stream, as vLLM's own server sends once a stream started. SSE comments are ignored
+    gone. Before this, every failure gets its own status code (a request waiting for an
+    engine to come up keeps it: 503 and Retry-After); after it, an error event in the
+    stream, as vLLM's own server sends once a stream started. SSE comments are ignored
     by clients (the OpenAI SDKs included)."""
     engine_transport: Literal["direct", "grpc", "actor"] = "direct"
     """How the router calls engine replicas. `direct`: an HTTP POST to the replica's own

@@ -14,11 +14,11 @@ an event (stored, removed) for the KV event stream.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayattn.config.schema import SimulatedEngine
+from rayattn.config.schema import SimulatedEngineConfig
 
 
 @dataclass(eq=False)
@@ -113,7 +113,8 @@ class PrefixCache:
         for k in r.keys[len(r.held):full]:
             r.held.append(k)
             if self.cached(k):
-                # Another request computed the same block meanwhile: vLLM keeps one.
+                # Another request computed the same block meanwhile: its copy stays this
+                # request's (anonymous) block, the key points at the first one.
                 self.free.pop(k, None)
                 self.refs[k] += 1
                 continue
@@ -125,8 +126,10 @@ class PrefixCache:
             self.events.append(("stored", stored))
 
     def release(self, r: SimRequest) -> None:
-        """The request is over: its keyed blocks stay cached, most recently used last."""
-        for k in r.held:
+        """The request is over: its keyed blocks stay cached, most recently used last, its
+        tail before its head (vLLM frees a request's blocks in reverse: what a longer prompt
+        shares with it, its head, is evicted last)."""
+        for k in reversed(r.held):
             self.refs[k] -= 1
             if self.refs[k] <= 0:
                 del self.refs[k]
@@ -135,9 +138,13 @@ class PrefixCache:
         self.anonymous -= r.anonymous
         r.held, r.anonymous = [], 0
 
-    def clear(self) -> None:
-        """Every free block dropped (a prefix-cache reset; blocks in use stay)."""
+    def clear(self) -> bool:
+        """Every cached block dropped (a prefix-cache reset); False, changing nothing, while
+        requests hold blocks (vLLM refuses the reset then)."""
+        if self.refs or self.anonymous:
+            return False
         self.free.clear()
+        return True
 
     def take_events(self) -> list[tuple[str, list[int]]]:
         out, self.events = self.events, []
@@ -145,12 +152,12 @@ class PrefixCache:
 
 
 class SimCore:
-    def __init__(self, sim: SimulatedEngine, block_size: int, max_num_seqs: int,
+    def __init__(self, sim: SimulatedEngineConfig, block_size: int, max_num_seqs: int,
                  max_batched_tokens: int) -> None:
         self.sim, self.block_size = sim, block_size
         self.max_num_seqs, self.max_batched_tokens = max_num_seqs, max_batched_tokens
         self.cache = PrefixCache(sim.num_blocks)
-        self.waiting: list[SimRequest] = []
+        self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
 
     @property
@@ -175,7 +182,7 @@ class SimCore:
             r = self.waiting[0]
             if not self.cache.admit(r, self.block_size):
                 break  # in arrival order: the next one waits for blocks too
-            self.waiting.pop(0)
+            self.waiting.popleft()
             r.scheduled_at = now
             self.running.append(r)
         prefills = []

@@ -61,6 +61,11 @@ class SimulatedEngineReplica:
         self.replica_id, self.rank = serve_identity()
         self.block_size = plan.block_size
         self.max_model_len = cfg.model.max_model_len or 4096
+        if self.sim.num_blocks * self.block_size < self.max_model_len:
+            # As vLLM refuses to start: a longest request could never be scheduled.
+            raise ValueError(f"engine.simulated.num_blocks: {self.sim.num_blocks} blocks of "
+                             f"{self.block_size} tokens hold less than model.max_model_len "
+                             f"({self.max_model_len})")
         max_seqs = cfg.engine.max_num_seqs or 256
         self.core = SimCore(self.sim, self.block_size, max_seqs,
                             cfg.engine.max_num_batched_tokens or 8192)
@@ -122,7 +127,8 @@ class SimulatedEngineReplica:
     async def reset_prefix_cache(self, target: str | None) -> bool:
         self._pinned(target)
         mark = self.mirror.mark() if self.mirror is not None else -1
-        self.core.cache.clear()
+        if not self.core.cache.clear():
+            return False
         self._publish(cleared=True)
         if self.mirror is not None:
             self.mirror.reset(mark)
@@ -201,13 +207,20 @@ class SimulatedEngineReplica:
         self._pinned(target)
         received = time.time()
         if req.kind not in ("chat", "completion"):
-            yield Reply(_error(404, f"a simulated engine serves no /v1/{req.kind}"), 404,
+            yield Reply(_error(404, f"a simulated engine serves no /v1/{req.kind}",
+                               "NotFoundError"), 404,
                         final=True, **self.inflight.report())
             return
         token_ids = _prompt_ids(req)
         if token_ids is None:
             yield Reply(_error(400, "a simulated engine needs the router's rendering"), 400,
                         final=True, **self.inflight.report())
+            return
+        if len(token_ids) >= self.max_model_len:
+            yield Reply(_error(400, f"This model's maximum context length is "
+                                    f"{self.max_model_len} tokens. However, your request has "
+                                    f"{len(token_ids)} input tokens."), 400, final=True,
+                        **self.inflight.report())
             return
         body = req.body
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens")
@@ -256,7 +269,11 @@ class SimulatedEngineReplica:
                 data = "".join(parts)
             else:
                 data = fmt.whole(WORD * n, len(token_ids), n, cached)
+            # A stream whose one item is the final one: stamped as a first item is.
+            stamps = ({"engine_in": received, "engine_out": time.time()}
+                      if stream and sent == 0 else {})
             yield Reply(data, final=True, prompt_tokens=len(token_ids), num_cached_tokens=cached,
+                        stamps=stamps,
                         completion_tokens=n, token_ids=[self.word_id] * n,
                         timings=_timings(r), served_by={"engine": self.replica_id,
                                                         "rank": self.rank, "pid": os.getpid()},
@@ -344,9 +361,9 @@ def _word_id(model_dir: str) -> int:
     return ids[-1]
 
 
-def _error(status: int, message: str) -> str:
-    return json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                 "param": None, "code": status}})
+def _error(status: int, message: str, kind: str = "BadRequestError") -> str:
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}})
 
 
 def _classify(e: BaseException) -> wire.Raised:

@@ -38,19 +38,24 @@ class Candidates:
 
     async def get(self, route: RouteRequest, tried: set[str], wait_until: float,
                   turn: tuple[str, int]) -> list[str]:
-        if self.core.settings.kv_admission:
-            return await self._kv_admitted(route, tried, wait_until, turn)
-        return await self._open(tried, wait_until, turn, route.pinned, route.adapter)
+        try:
+            if self.core.settings.kv_admission:
+                return await self._kv_admitted(route, tried, wait_until, turn)
+            return await self._open(route, tried, wait_until, turn)
+        finally:
+            route.queued = False
 
-    async def _open(self, tried: set[str], wait_until: float, turn: tuple[str, int],
-                    pinned: str | None = None, adapter: str | None = None) -> list[str]:
+    async def _open(self, route: RouteRequest, tried: set[str], wait_until: float,
+                    turn: tuple[str, int]) -> list[str]:
         """Live targets (untried ones first) below this router's per-engine cap; waits here,
         in the router, while all are at the cap or the request's key at its own, and takes
-        its turn fairly among keys (FairQueue). `pinned`: the one target that holds what
-        the request continues."""
+        its turn fairly among keys (FairQueue). `route.pinned`: the one target that holds
+        what the request continues."""
+        pinned, adapter = route.pinned, route.adapter
         cap = self._cap()
         woken = False
         while True:
+            route.queued = False
             live = self.fleet.live_targets()
             if not live and self.fleet.members and time.monotonic() < wait_until:
                 # Replicas exist but none is up this instant (a retry right after the last
@@ -83,6 +88,7 @@ class Candidates:
                 return open_
             if woken:
                 self.fair.pass_turn()  # the freed slot was not one this request could take
+            route.queued = True
             woken = await self.fair.wait(*turn, holds=not tried)
 
     @staticmethod
@@ -105,8 +111,7 @@ class Candidates:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                candidates = await self._open(tried, wait_until, turn, route.pinned,
-                                              route.adapter)
+                candidates = await self._open(route, tried, wait_until, turn)
                 if not self.core.settings.kv_admission:
                     return candidates  # switched off while this request waited
                 room = self.core.kv_room(route, candidates)
@@ -121,6 +126,7 @@ class Candidates:
                 self._kv_waiters[seq] = (prio, wake)
                 # Woken when a request ends; the timeout re-checks for conversations gone
                 # idle.
+                route.queued = True
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(wake, KV_RECHECK_S)
         finally:

@@ -174,7 +174,14 @@ class RequestPath:
         items = x.model.dispatcher.generate(oreq, route, tenant=x.tenant)
         head = asyncio.ensure_future(anext(items))
         try:
-            await asyncio.wait({head}, timeout=min(x.out.commit_s, deadline - loop.time()))
+            while True:
+                await asyncio.wait({head}, timeout=min(x.out.commit_s,
+                                                       deadline - loop.time()))
+                # Only a request queued behind load commits: one that waits for an engine
+                # to come up keeps its real answer (503 + Retry-After) for the client's
+                # retry, within NO_REPLICA_GRACE_S.
+                if head.done() or loop.time() >= deadline or route.queued:
+                    break
         except BaseException:
             await drop(head, items)
             raise

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 
-from rayattn.config.schema import SimulatedEngine
+from rayattn.config.schema import SimulatedEngineConfig
 from rayattn.engine.sim_core import PrefixCache, SimCore, SimRequest
 
 BS = 4
-SIM = SimulatedEngine(step_ms=1.0, prefill_us_per_token=100.0, decode_us_per_seq=10.0,
+SIM = SimulatedEngineConfig(step_ms=1.0, prefill_us_per_token=100.0, decode_us_per_seq=10.0,
                       num_blocks=16, max_tokens=2)
 
 
@@ -69,7 +69,7 @@ def test_the_batch_holds_at_most_max_num_seqs_and_the_rest_wait_in_order():
     for r in rs:
         core.add(r)
     step = core.schedule(0.0)
-    assert [r for r, _ in step.prefills] == rs[:2] and core.waiting == [rs[2]]
+    assert [r for r, _ in step.prefills] == rs[:2] and list(core.waiting) == [rs[2]]
     run(core, rs)
     assert rs[2].scheduled_at > rs[0].scheduled_at
 
@@ -83,10 +83,10 @@ def test_free_blocks_are_evicted_least_recently_used_first_and_said_so():
         cache.release(r)
     cache.take_events()
     # a's and b's 4 full blocks are free and cached; c needs 4 blocks of the 6, so two free
-    # ones go: a's (the older).
+    # ones go: a's (the older), its tail first, as vLLM frees a request's blocks.
     c = req([5, 6], prompt=8, out=8)
     assert cache.admit(c, BS)
-    assert cache.take_events() == [("removed", [1, 2])]
+    assert cache.take_events() == [("removed", [2, 1])]
     assert cache.cached(3) and cache.cached(4) and not cache.cached(1)
 
 
@@ -108,4 +108,16 @@ def test_an_aborted_request_gives_its_blocks_back():
     core.abort(r)
     assert r.done and core.unfinished == 0
     assert core.cache.anonymous == 0 and not core.cache.refs
-    assert list(core.cache.free) == [1, 2, 3]  # what it computed stays cached
+    assert list(core.cache.free) == [3, 2, 1]  # what it computed stays cached, tail first
+    assert core.cache.clear() and not core.cache.free
+
+
+def test_a_reset_is_refused_while_a_request_holds_blocks():
+    core = SimCore(SIM, BS, max_num_seqs=4, max_batched_tokens=64)
+    done, running = req([1, 2], prompt=8), req([7, 8], prompt=8, out=50)
+    run(core, [done])
+    core.add(running)
+    core.finish(core.schedule(0.0), 1.0)
+    assert not core.cache.clear() and core.cache.cached(1)  # as vLLM answers False
+    core.abort(running)
+    assert core.cache.clear() and not core.cache.cached(1)

@@ -58,14 +58,20 @@ def test_no_engine_at_all_is_a_503_at_once_and_counted():
 
 
 def test_engines_not_up_yet_are_waited_for_within_the_grace():
+    """Not as a request queued behind load: a stream waiting for an engine to come up keeps
+    its real answer (requests.py commits only queued ones)."""
     fleet = Fleet([], members=["e1"])
     c, _, _ = make(fleet)
+    r, seen = route(), []
 
     async def go() -> list[str]:
-        asyncio.get_running_loop().call_later(0.2, fleet.up.append, "e1")
-        return await c.get(route(), set(), time.monotonic() + 5, ("", 0))
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, lambda: seen.append(r.queued))
+        loop.call_later(0.2, fleet.up.append, "e1")
+        return await c.get(r, set(), time.monotonic() + 5, ("", 0))
 
     assert asyncio.run(go()) == ["e1"]
+    assert seen == [False]
 
 
 def test_untried_targets_below_the_cap_come_first():
@@ -90,6 +96,24 @@ def test_a_request_waits_while_every_target_is_at_its_cap_until_one_frees():
 
     got, waited = asyncio.run(go())
     assert got == ["e1"] and waited >= 0.2
+
+
+def test_a_request_waiting_for_an_engine_slot_is_queued_until_it_has_one():
+    c, core, _ = make(Fleet(["e1"]), cap=1)
+    core.load.local["e1"] = 1
+    r, seen = route(), []
+
+    async def go() -> list[str]:
+        def free() -> None:
+            core.load.local["e1"] = 0
+            c.fair.wake_all()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.1, lambda: seen.append(r.queued))
+        loop.call_later(0.2, free)
+        return await c.get(r, set(), time.monotonic(), ("", c.fair.ticket()))
+
+    assert asyncio.run(go()) == ["e1"]
+    assert seen == [True] and r.queued is False
 
 
 def test_an_adapter_goes_only_where_it_is_loaded_and_is_a_404_where_nowhere():
