@@ -13,7 +13,7 @@ AREAS: dict[str, str] = {
     "test_serving": "serving", "test_openai_surface": "serving",
     "test_correctness": "serving", "test_metrics": "serving",
     "test_affinity": "routing", "test_router_truth": "routing", "test_dp_ranks": "routing",
-    "test_bench": "routing",
+    "test_bench": "routing", "test_simulated_fleet": "routing",
     "test_reliability": "reliability", "test_operations": "reliability",
     "test_lifecycle": "reliability",
     "test_hostile": "security", "test_api_surface": "security",

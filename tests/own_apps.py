@@ -1,10 +1,12 @@
 """The applications of their own that the last integration tests run on, deployed side by side
-in place of the shared one (one wait for both, their engines starting together):
-deployments/local-multi.yaml's, and local.yaml's app as one engine replica running two DP
-ranks, on a route prefix of its own."""
+in place of the shared one (one wait for all, their engines starting together):
+deployments/local-multi.yaml's, local.yaml's app as one engine replica running two DP ranks,
+and local.yaml's app with two simulated engines (engine.simulated), each on a route prefix of
+its own."""
 
 from __future__ import annotations
 
+import copy
 import threading
 from typing import Any
 
@@ -12,6 +14,10 @@ import yaml
 
 MULTI_APP = "rayattn-multi"  # deployments/local-multi.yaml's
 DP_APP = "rayattn-dp"
+SIM_APP = "rayattn-sim"
+SIMULATED = {"step_ms": 5.0, "prefill_us_per_token": 20.0, "decode_us_per_seq": 40.0,
+             "num_blocks": 4096, "max_tokens": 8}
+"""The simulated engines' settings (engine.simulated) in SIM_APP."""
 
 
 class Collector:
@@ -52,17 +58,25 @@ class Collector:
 
 
 def own_apps_config(multi_file: str, local: dict[str, Any], otlp_url: str) -> dict[str, Any]:
-    """One Serve config of both applications. The multi-model app's traces go to the test's
-    own receiver (tracing is off in the shipped file). The DP-ranks app is local.yaml's with
-    `parallelism.engine_dp_size: 2` and one engine replica: its one replica reserves
-    `cpus_per_engine` like any other, so both apps fit the CPUs the shared app held."""
+    """One Serve config of the three applications. The multi-model app's traces go to the
+    test's own receiver (tracing is off in the shipped file). The DP-ranks app is local.yaml's
+    with `parallelism.engine_dp_size: 2` and one engine replica (one reservation of
+    `cpus_per_engine` for both ranks); the simulated engines reserve hundredths of a CPU."""
     multi = yaml.safe_load(multi_file)
     assert multi["applications"][0]["name"] == MULTI_APP
     multi["applications"][0]["args"]["tracing"] = {"otlp_endpoint": otlp_url}
+    sim = copy.deepcopy(local["applications"][0])
     dp = local["applications"][0]
     dp.update(name=DP_APP, route_prefix="/dp")
     dp["args"]["parallelism"] = {"engine_dp_size": 2}
+    # local-multi's three engines and this one take the 2 CPUs the shared app's Ray has, but
+    # for what the simulated engines reserve (a reservation, not a pin).
+    dp["args"]["platform"]["cpus_per_engine"] = 0.45
     for d in dp["deployments"]:
         if d["name"] == "engine":
             d["autoscaling_config"].update(min_replicas=1, max_replicas=1)
-    return {**multi, "applications": [*multi["applications"], dp]}
+    # Simulated engines hold next to no CPU: the app fits beside the others.
+    sim.update(name=SIM_APP, route_prefix="/sim")
+    sim["args"]["platform"]["cpus_per_engine"] = 0.01
+    sim["args"]["engine"]["simulated"] = SIMULATED
+    return {**multi, "applications": [*multi["applications"], dp, sim]}
