@@ -271,3 +271,40 @@ async def test_a_client_gone_while_the_first_token_is_awaited_ends_the_engine_ca
     assert sent[0]["status"] == 200
     assert cancelled == ["engine call"] and head.cancelled()
     assert admission.inflight == 0
+
+
+async def test_a_client_gone_while_queued_ends_the_engine_call_on_uvicorns_asgi_too():
+    """As uvicorn runs it (ASGI spec 2.3: Starlette listens for the disconnect beside the
+    stream instead of failing a send), the hang-up HAProxy passes on after a waiting comment
+    ends the stream, cancels the task awaiting the first item and gives the slot back."""
+    admission = Admission(4)
+    slot = admission.acquire("key")
+    cancelled: list[str] = []
+
+    async def gen() -> AsyncGenerator[tuple[Reply, Decision], None]:
+        try:
+            await asyncio.sleep(3600)
+            yield Reply("data: {}\n\n"), DECISION
+        except asyncio.CancelledError:
+            cancelled.append("engine call")
+            raise
+
+    items = gen()
+    head = asyncio.ensure_future(anext(items))
+    stream = Replies(ARRIVED, False, 300, 0.01).waiting(head, items, 1e12, slot,
+                                                       lambda d: None)
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        while sum(m.get("body", b"") == WAITING.encode() for m in sent) < 3:
+            await asyncio.sleep(0.01)
+        return {"type": "http.disconnect"}
+
+    await asyncio.wait_for(stream({"type": "http", "asgi": {"spec_version": "2.3"}},
+                                  receive, send), 10)
+    assert sent[0]["status"] == 200
+    assert cancelled == ["engine call"] and head.cancelled()
+    assert admission.inflight == 0
