@@ -234,17 +234,14 @@ async def test_after_the_response_started_a_failure_is_an_error_event(first, sta
     head.cancel()
 
 
-async def test_a_client_gone_while_the_first_token_is_awaited_ends_the_engine_call():
-    """The stream's end cancels the task awaiting the first item before the engine call is
-    closed (a generator cannot be closed while another task runs it): nothing stays on an
-    engine for a client that left, and the slot comes back."""
-    admission = Admission(4)
-    slot = admission.acquire("key")
+def _waiting_on_a_queued_call(slot: Any) -> tuple[Stream, asyncio.Future, list[str]]:
+    """A waiting stream (comments every 10 ms) on an engine call queued behind a busy fleet,
+    the task awaiting its first item, and whether that call was cancelled."""
     cancelled: list[str] = []
 
     async def gen() -> AsyncGenerator[tuple[Reply, Decision], None]:
         try:
-            await asyncio.sleep(3600)  # queued behind a busy fleet
+            await asyncio.sleep(3600)
             yield Reply("data: {}\n\n"), DECISION
         except asyncio.CancelledError:
             cancelled.append("engine call")
@@ -252,9 +249,18 @@ async def test_a_client_gone_while_the_first_token_is_awaited_ends_the_engine_ca
 
     items = gen()
     head = asyncio.ensure_future(anext(items))
-    await asyncio.sleep(0)
     stream = Replies(ARRIVED, False, 300, 0.01).waiting(head, items, 1e12, slot,
                                                        lambda d: None)
+    return stream, head, cancelled
+
+
+async def test_a_client_gone_while_the_first_token_is_awaited_ends_the_engine_call():
+    """The stream's end cancels the task awaiting the first item before the engine call is
+    closed (a generator cannot be closed while another task runs it): nothing stays on an
+    engine for a client that left, and the slot comes back."""
+    admission = Admission(4)
+    stream, head, cancelled = _waiting_on_a_queued_call(admission.acquire("key"))
+    await asyncio.sleep(0)  # the engine call is under way
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -278,21 +284,7 @@ async def test_a_client_gone_while_queued_ends_the_engine_call_on_uvicorns_asgi_
     stream instead of failing a send), the hang-up HAProxy passes on after a waiting comment
     ends the stream, cancels the task awaiting the first item and gives the slot back."""
     admission = Admission(4)
-    slot = admission.acquire("key")
-    cancelled: list[str] = []
-
-    async def gen() -> AsyncGenerator[tuple[Reply, Decision], None]:
-        try:
-            await asyncio.sleep(3600)
-            yield Reply("data: {}\n\n"), DECISION
-        except asyncio.CancelledError:
-            cancelled.append("engine call")
-            raise
-
-    items = gen()
-    head = asyncio.ensure_future(anext(items))
-    stream = Replies(ARRIVED, False, 300, 0.01).waiting(head, items, 1e12, slot,
-                                                       lambda d: None)
+    stream, head, cancelled = _waiting_on_a_queued_call(admission.acquire("key"))
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
