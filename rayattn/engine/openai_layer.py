@@ -23,7 +23,7 @@ from pydantic import ValidationError
 
 from rayattn import compat
 from rayattn.engine import observed
-from rayattn.engine.protocol import OpenAIRequest, Reply
+from rayattn.engine.protocol import OpenAIRequest, Reply, error_json
 from rayattn.integrations import patches, vllm_openai
 
 log = logging.getLogger("rayattn.engine")
@@ -106,7 +106,7 @@ class OpenAILayer:
         try:
             request = compat.openai_model(req.kind).model_validate(req.body)
         except ValidationError as e:  # the router validated it already: a version skew
-            yield Reply(_error_json(400, str(e.errors()[:3])), 400, final=True)
+            yield Reply(error_json(400, str(e.errors()[:3])), 400, final=True)
             return
         obs = observed.Observation(req.engine_rank)
         observed.current.set(obs)  # seen by ObservedEngine.generate in this task
@@ -117,7 +117,7 @@ class OpenAILayer:
                    "completion": self.completion.create_completion,
                    "responses": getattr(self.responses, "create_responses", None)}[req.kind]
         if serving is None:
-            yield Reply(_error_json(404, "this engine serves no /v1/responses"), 404,
+            yield Reply(error_json(404, "this engine serves no /v1/responses"), 404,
                         final=True)
             return
         # Closing this generator cancels the call, which aborts the engine request. A
@@ -204,11 +204,6 @@ async def _responses_sse(events: Any) -> AsyncIterator[str]:
                    f"data: {e.model_dump_json(indent=None, by_alias=True)}\n\n")
     finally:
         await events.aclose()
-
-
-def _error_json(status: int, message: str) -> str:
-    return json.dumps({"error": {"message": message, "type": "BadRequestError",
-                                 "param": None, "code": status}})
 
 
 class LazyOpenAILayer:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -73,6 +74,12 @@ class Misrouted(RuntimeError):
     """Raised by an engine replica for a call aimed at another replica (it left, or was
     replaced, between the router's choice and the call's delivery): the router routes the
     request again (server/fleet/pinning.py)."""
+
+
+def error_json(status: int, message: str, kind: str = "BadRequestError") -> str:
+    """An engine's own error answer, in vLLM's OpenAI error shape."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": None,
+                                 "code": status}})
 
 
 def check_target(target: str | None, replica: str) -> None:

@@ -38,9 +38,11 @@ from rayattn.engine.protocol import (
     RankInfo,
     Reply,
     check_target,
+    error_json,
 )
 from rayattn.engine.replica import serve_identity
 from rayattn.engine.sim_core import SimCore, SimRequest
+from rayattn.integrations.vllm_renderer import prompt_token_ids
 from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.kv_events import Snapshot
 
@@ -142,7 +144,7 @@ class SimulatedEngineReplica:
 
     async def load_adapter(self, target: str | None, name: str, path: str) -> Reply:
         self._pinned(target)
-        return Reply(_error(400, "a simulated engine serves no LoRA adapters"), 400,
+        return Reply(error_json(400, "a simulated engine serves no LoRA adapters"), 400,
                      final=True)
 
     async def unload_adapter(self, target: str | None, name: str) -> Reply:
@@ -207,17 +209,17 @@ class SimulatedEngineReplica:
         self._pinned(target)
         received = time.time()
         if req.kind not in ("chat", "completion"):
-            yield Reply(_error(404, f"a simulated engine serves no /v1/{req.kind}",
+            yield Reply(error_json(404, f"a simulated engine serves no /v1/{req.kind}",
                                "NotFoundError"), 404,
                         final=True, **self.inflight.report())
             return
         token_ids = _prompt_ids(req)
         if token_ids is None:
-            yield Reply(_error(400, "a simulated engine needs the router's rendering"), 400,
+            yield Reply(error_json(400, "a simulated engine needs the router's rendering"), 400,
                         final=True, **self.inflight.report())
             return
         if len(token_ids) >= self.max_model_len:
-            yield Reply(_error(400, f"This model's maximum context length is "
+            yield Reply(error_json(400, f"This model's maximum context length is "
                                     f"{self.max_model_len} tokens. However, your request has "
                                     f"{len(token_ids)} input tokens."), 400, final=True,
                         **self.inflight.report())
@@ -347,11 +349,9 @@ def _event(cls: Any, **fields: Any) -> Any:
 
 
 def _prompt_ids(req: OpenAIRequest) -> list[int] | None:
-    for inp in req.engine_inputs or []:
-        ids = inp.get("prompt_token_ids")
-        if ids:
-            return list(ids)
-    return None
+    """The router's rendering of the prompt (None: it sent none)."""
+    ids = prompt_token_ids(req.engine_inputs[0]) if req.engine_inputs else []
+    return list(ids) or None
 
 
 def _word_id(model_dir: str) -> int:
@@ -359,11 +359,6 @@ def _word_id(model_dir: str) -> int:
 
     ids = AutoTokenizer.from_pretrained(model_dir).encode(WORD, add_special_tokens=False)
     return ids[-1]
-
-
-def _error(status: int, message: str, kind: str = "BadRequestError") -> str:
-    return json.dumps({"error": {"message": message, "type": kind, "param": None,
-                                 "code": status}})
 
 
 def _classify(e: BaseException) -> wire.Raised:

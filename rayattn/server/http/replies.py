@@ -102,6 +102,12 @@ class Replies:
         return Stream(self.events(head, d, items, deadline), slot, items,
                       media_type="text/event-stream", headers=self.headers(d))
 
+    def _failed_events(self, e: BaseException) -> tuple[str, str]:
+        """A stream's end where no answer came: the router's error as an event, then
+        [DONE]."""
+        err = None if isinstance(e, StopAsyncIteration) else e
+        return event(failed_request(err, self.timeout_s).body()), "data: [DONE]\n\n"
+
     def waiting(self, head: asyncio.Future, items: Items, deadline: float, slot: Slot,
                 started: Callable[[Decision], None]) -> Stream:
         """The SSE response of a request whose first item `head` still awaits: WAITING
@@ -122,9 +128,8 @@ class Replies:
                 await asyncio.wait({head}, timeout=min(self.commit_s, left))
             first, decision = head.result()
         except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
-            err = None if isinstance(e, StopAsyncIteration) else e
-            yield event(failed_request(err, self.timeout_s).body())
-            yield "data: [DONE]\n\n"
+            for part in self._failed_events(e):
+                yield part
             return
         if first.status != 200:
             # vLLM's own error answer: its JSON body ({"error": ...}) as one event.
@@ -153,9 +158,8 @@ class Replies:
                         yield item.data
                     item, decision = await anext(items)
         except (StopAsyncIteration, APIError, EngineFailure, TimeoutError) as e:
-            err = None if isinstance(e, StopAsyncIteration) else e
-            yield event(failed_request(err, self.timeout_s).body())
-            yield "data: [DONE]\n\n"
+            for part in self._failed_events(e):
+                yield part
         finally:
             await items.aclose()
 
