@@ -347,10 +347,9 @@ def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]
         # with NOSET there, every DP rank of a node would run on device 0.
         env.update(backends.RAY_EXECUTOR_ENV[plat])
     omp_own = any(k.startswith(("OMP_", "VLLM_CPU_OMP")) for k in cfg.engine.env)
-    if (plat == "cpu" and cfg.parallelism.dp_ranks == 1
-            and cfg.parallelism.devices_per_rank == 1 and not omp_own):
-        # One CPU worker: vLLM runs it inside the engine core process instead of spawning a
-        # worker process of its own (vllm/platforms/cpu.py switches its `uni` executor to
+    if plat == "cpu" and cfg.parallelism.devices_per_rank == 1 and not omp_own:
+        # One CPU worker per rank: vLLM runs it inside the (rank's) engine core process
+        # instead of spawning a worker process of its own (vllm/platforms/cpu.py switches its `uni` executor to
         # `mp` unless told), which saved an interpreter and vLLM's imports at every start
         # and the two processes' shared-memory polling at every step. AsyncLLM's engine
         # core stays a process of its own either way. vLLM forces `mp` because its OpenMP
@@ -507,7 +506,10 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
     elif par.dp_ranks > 1:
         # DP ranks of one device each: vLLM's own processes on the devices Ray gave the
         # replica (placement()). Inside a Ray actor vLLM would pick its Ray executor for DP.
-        kw["distributed_executor_backend"] = "mp"
+        # On CPU each rank's engine core runs its worker itself, as a one-rank engine does
+        # (engine_env): vLLM's DP default ("mp") starts one more process per rank, importing
+        # vLLM and loading the model again. GPUs keep "mp" until measured there.
+        kw["distributed_executor_backend"] = "uni" if cfg.platform.kind == "cpu" else "mp"
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.update(e.extra_engine_kwargs)
     return kw

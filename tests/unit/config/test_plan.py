@@ -131,8 +131,9 @@ def test_engine_dp_size_runs_vllms_dp_inside_one_replica_on_cpu():
     kw = plan.engine_kwargs
     assert (kw["data_parallel_size"], kw["tensor_parallel_size"]) == (2, 1)
     # Inside a Ray actor vLLM would start its DP ranks on its Ray executor, unsupported on
-    # CPU and colliding on GPU bundles.
-    assert kw["distributed_executor_backend"] == "mp"
+    # CPU; each rank's engine core runs its model in-process, with no worker process.
+    assert kw["distributed_executor_backend"] == "uni"
+    assert plan.env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"  # or vLLM's CPU platform picks mp
     assert "2 DP ranks per engine" in plan.describe()
 
 
