@@ -349,8 +349,9 @@ def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]
     omp_own = any(k.startswith(("OMP_", "VLLM_CPU_OMP")) for k in cfg.engine.env)
     if plat == "cpu" and cfg.parallelism.devices_per_rank == 1 and not omp_own:
         # One CPU worker per rank: vLLM runs it inside the (rank's) engine core process
-        # instead of spawning a worker process of its own (vllm/platforms/cpu.py switches its `uni` executor to
-        # `mp` unless told), which saved an interpreter and vLLM's imports at every start
+        # instead of spawning a worker process of its own (vllm/platforms/cpu.py switches
+        # its `uni` executor to `mp` unless told), which saved an interpreter and vLLM's
+        # imports at every start
         # and the two processes' shared-memory polling at every step. AsyncLLM's engine
         # core stays a process of its own either way. vLLM forces `mp` because its OpenMP
         # set-up (thread binding) needs a process of its own: right where rayattn's one

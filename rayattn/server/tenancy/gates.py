@@ -24,6 +24,9 @@ class Gates:
                    FairQueue(rc.key_max_inflight), LoopWatch())
 
     def apply(self, rc: RouterConfig) -> None:
+        if rc.max_inflight != self.admission.limit:
+            # The peak is read against the limit in force: a new limit starts it again.
+            self.admission.peak = self.admission.inflight
         self.admission.limit = rc.max_inflight
         self.rates.rate, self.fair.key_cap = rc.key_requests_per_s, rc.key_max_inflight
         self.fair.wake_all()

@@ -113,3 +113,20 @@ def test_a_key_at_its_cap_waits_while_others_go():
         assert q.may_go("greedy", t) and q.waiting == 0
 
     asyncio.run(scenario())
+
+
+def test_a_new_limit_starts_the_peak_again_from_what_is_admitted():
+    from rayattn.config.schema import RouterConfig
+    from rayattn.server.tenancy.gates import Gates
+
+    gates = Gates.of(RouterConfig(max_inflight=8))
+    slots = [gates.admission.acquire() for _ in range(6)]
+    for s in slots[2:]:
+        s.release()
+    assert gates.counts()["admitted_peak"] == 6
+    gates.apply(RouterConfig(max_inflight=8))  # other settings: the peak stands
+    assert gates.counts()["admitted_peak"] == 6
+    gates.apply(RouterConfig(max_inflight=4))
+    assert gates.counts()["admitted_peak"] == 2  # the two still admitted
+    gates.admission.acquire()
+    assert gates.counts()["admitted_peak"] == 3
