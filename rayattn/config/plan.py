@@ -351,12 +351,11 @@ def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]
         # One CPU worker per rank: vLLM runs it inside the (rank's) engine core process
         # instead of spawning a worker process of its own (vllm/platforms/cpu.py switches
         # its `uni` executor to `mp` unless told), which saved an interpreter and vLLM's
-        # imports at every start
-        # and the two processes' shared-memory polling at every step. AsyncLLM's engine
-        # core stays a process of its own either way. vLLM forces `mp` because its OpenMP
-        # set-up (thread binding) needs a process of its own: right where rayattn's one
-        # unbound thread (PLATFORM_ENV) is not what the engine runs, so not where
-        # engine.env sets OpenMP itself.
+        # imports at every start and the two processes' shared-memory polling at every
+        # step. AsyncLLM's engine core stays a process of its own either way. vLLM forces
+        # `mp` because its OpenMP set-up (thread binding) needs a process of its own:
+        # right where rayattn's one unbound thread (PLATFORM_ENV) is not what the engine
+        # runs, so not where engine.env sets OpenMP itself.
         env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     if plat == "rocm" and spec.name != "ROCM_AITER_FA":
         env.pop("VLLM_ROCM_SHUFFLE_KV_CACHE_LAYOUT", None)
