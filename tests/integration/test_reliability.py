@@ -135,14 +135,27 @@ def test_engines_run_at_the_priority_of_what_started_them(server):
 
 
 # ---- replica failure -----------------------------------------------------------------------
-def test_replica_killed_under_load_loses_nothing(server):
+@pytest.fixture(scope="module")
+def killed_under_load(server) -> dict:
+    """One replica killed (SIGKILL to its actor process) while it streams a long answer and
+    8 clients keep 120 requests coming: what each saw. One kill for both tests below, so
+    one replacement engine to start, not two."""
     before = whole(server)
-    survivor, victim = sorted(before["replicas_up"])
-    pid = before["engines"][victim]["pid"]
-    engine_pids = before["engines"][victim]["engine_pids"]
-    assert engine_pids  # vLLM's engine core runs as the replica's child process
     counts0 = dict(before["counts"])
-    n, results, killed = 120, [], {}
+    out: dict = {"before": before, "results": [], "events": []}
+    streaming = asyncio.Event()
+
+    async def stream(c: httpx.AsyncClient) -> None:
+        async with c.stream("POST", f"{server}/v1/completions", json={
+                "model": MODEL, "prompt": "A long story:", "max_tokens": 1000,
+                "ignore_eos": True, "stream": True}) as r:
+            out["victim"] = r.headers["x-rayattn-replica"]
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    out["events"].append(line)
+                    if len(out["events"]) == 3:
+                        streaming.set()
+        streaming.set()  # ended before its third event: the test below says so
 
     async def one(i: int, c: httpx.AsyncClient) -> httpx.Response:
         return await c.post(f"{server}/v1/chat/completions", json={
@@ -152,73 +165,55 @@ def test_replica_killed_under_load_loses_nothing(server):
     async def go():
         sem = asyncio.Semaphore(8)
         async with httpx.AsyncClient(timeout=180) as c:
+            streamed = asyncio.create_task(stream(c))
+            await streaming.wait()
+            victim = out["victim"]
+            out["pid"] = before["engines"][victim]["pid"]
+
             async def guarded(i: int):
                 async with sem:
-                    if i == 30 and not killed:
-                        os.kill(pid, signal.SIGKILL)  # the replica's actor process
-                        killed["at"] = time.time()
-                    r = await one(i, c)
-                    results.append(r)
-            await asyncio.gather(*(guarded(i) for i in range(n)))
+                    if i == 30 and "killed_at" not in out:
+                        os.kill(out["pid"], signal.SIGKILL)  # the replica's actor process
+                        out["killed_at"] = time.time()
+                    out["results"].append(await one(i, c))
+            await asyncio.gather(*(guarded(i) for i in range(120)))
+            await streamed
 
     asyncio.run(go())
-    ok = [r for r in results if r.status_code == 200]
     after = health(server)
-    counts = {k: after["counts"][k] - counts0[k] for k in counts0}
-    print(f"\nkill test: sent={n} succeeded={len(ok)} router counts={counts}")
-    assert killed and len(results) == n
-    assert len(ok) == n, [r.text for r in results if r.status_code != 200][:3]
-    assert counts["retried"] > 0
+    out["counts"] = {k: after["counts"][k] - counts0[k] for k in counts0}
+    return out
+
+
+def test_replica_killed_under_load_loses_nothing(server, killed_under_load):
+    k = killed_under_load
+    before, results, victim = k["before"], k["results"], k["victim"]
+    (survivor,) = [n for n in before["replicas_up"] if n != victim]
+    engine_pids = before["engines"][victim]["engine_pids"]
+    assert engine_pids  # vLLM's engine core runs as the replica's child process
+    ok = [r for r in results if r.status_code == 200]
+    print(f"\nkill test: sent={len(results)} succeeded={len(ok)} router counts={k['counts']}")
+    assert "killed_at" in k and len(results) == 120
+    assert len(ok) == 120, [r.text for r in results if r.status_code != 200][:3]
+    assert k["counts"]["retried"] > 0
     served = {r.headers["x-rayattn-replica"] for r in ok}
     assert survivor in served
     # The killed replica's engine processes do not outlive it (30 s from the kill).
-    left = still_running(engine_pids, until=killed["at"] + 30)
+    left = still_running(engine_pids, until=k["killed_at"] + 30)
     assert not left, f"engine processes of the killed replica still running: {left}"
 
-    # Serve replaces the replica (a new replica id); the router takes it in and routes to it.
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        h = health(server)
-        new = [n for n in h["replicas_up"] if n not in before["engines"]]
-        if new:
-            break
-        time.sleep(0.25)
-    assert new and victim not in h["engines"], h
-    later = set()
-    for i in range(12):
-        r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "max_tokens": 2,
-            "messages": [{"role": "user", "content": f"after restart {i}: {'x' * i}"}]})
-        assert r.status_code == 200
-        later.add(r.headers["x-rayattn-replica"])
-    assert new[0] in later
 
 
-def test_streaming_request_on_dying_replica_ends_with_error_event(server):
+def test_streaming_request_on_dying_replica_ends_with_error_event(killed_under_load):
     """A stream already emitting when its replica dies ends with an SSE error event."""
-    victim_pid = None
-    with httpx.stream("POST", f"{server}/v1/completions", timeout=120, json={
-            "model": MODEL, "prompt": "A long story:", "max_tokens": 1000, "ignore_eos": True,
-            "stream": True}) as r:
-        events = []
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            events.append(line)
-            if len(events) == 3:
-                served = health(server)["engines"]
-                busy = [n for n, e in served.items() if e["inflight"]]
-                victim_pid = served[busy[0]]["pid"]
-                os.kill(victim_pid, signal.SIGKILL)
-    assert victim_pid is not None
+    events = killed_under_load["events"]
+    assert len(events) >= 3 and "killed_at" in killed_under_load
     assert events[-1] == "data: [DONE]"
     err = json.loads(events[-2][6:])
     assert "error" in err and "mid-stream" in err["error"]["message"]
-    # Serve replaces the replica while the fuzz tests run; the next test that needs both
-    # waits for it (whole).
 
 
-# While Serve replaces the replica the stream's test killed: the fuzz needs one engine.
+# While Serve replaces the replica killed under load: the fuzz needs one engine.
 @settings(max_examples=400, deadline=None, suppress_health_check=list(HealthCheck))
 @given(body=chat_body)
 def test_fuzz_chat(server, body):
@@ -246,6 +241,28 @@ def test_fuzz_totals_and_server_still_healthy(server, client):
     r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[
         {"role": "user", "content": "What is the capital of France?"}])
     assert "Paris" in r.choices[0].message.content
+
+
+def test_the_killed_replica_is_replaced_and_routed_to(server, killed_under_load):
+    """Serve replaces the killed replica (a new replica id; it starts while the fuzz tests
+    run on the survivor); the router takes it in and routes to it."""
+    before, victim = killed_under_load["before"], killed_under_load["victim"]
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        h = health(server)
+        new = [n for n in h["replicas_up"] if n not in before["engines"]]
+        if new:
+            break
+        time.sleep(0.25)
+    assert new and victim not in h["engines"], h
+    later = set()
+    for i in range(12):
+        r = httpx.post(f"{server}/v1/chat/completions", timeout=60, json={
+            "model": MODEL, "max_tokens": 2,
+            "messages": [{"role": "user", "content": f"after restart {i}: {'x' * i}"}]})
+        assert r.status_code == 200
+        later.add(r.headers["x-rayattn-replica"])
+    assert new[0] in later
 
 
 def _engine_core_pid(engine_pids: list[int]) -> int:
