@@ -16,7 +16,7 @@
 # a snapshot was carried there (so a tree edited while the run goes on cannot change it
 # between calls), else from this checkout.
 set -uo pipefail
-step=${1:?usage: run.sh install|routing|placement|backends|dp-ranks [args...]}
+step=${1:?usage: run.sh install|routing|placement|backends|dp-ranks|capacity|cold-start [args...]}
 shift
 W=/tmp/rayattn-gpu
 OUT=${OUT:-$W/out}
@@ -84,6 +84,13 @@ dp-ranks)
   timeout 585 python3 "$TREE/bench/gpu/dp_ranks.py" --model $W/deepseek-v2-lite --out "$OUT" \
     --deadline-s 470 "$@" 2>&1 \
     | tee "$OUT/dp-ranks.log" | grep -v -E "^\s*$|INFO|WARNING|DEBUG" | tail -70
+  ;;
+cold-start)
+  # `rayattn serve deployments/h200.yaml` against two `vllm serve`, one GPU each, in turn.
+  export CUDA_VISIBLE_DEVICES=0,1
+  timeout 585 python3 "$TREE/bench/cold_start.py" --config deployments/h200.yaml \
+    --model $W/llama-0.85b --gpus 2 --out "$OUT/cold_start.json" "$@" 2>&1 \
+    | tee "$OUT/cold_start.log" | grep -E "^\{|engines|Error|Traceback" | tail -20
   ;;
 capacity)
   timeout 585 python3 "$TREE/bench/router_capacity.py" --model $W/llama-0.85b \

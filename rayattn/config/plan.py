@@ -334,6 +334,14 @@ def _check_extra_kwargs(extra: dict[str, Any]) -> list[str]:
             for k in extra if k not in known]
 
 
+def worker_in_engine_core(cfg: RayAttnConfig) -> bool:
+    """Whether vLLM runs each rank's one CPU worker inside the rank's engine core process
+    (engine_env says why, and sets what makes it so)."""
+    omp_own = any(k.startswith(("OMP_", "VLLM_CPU_OMP")) for k in cfg.engine.env)
+    return (cfg.platform.kind == "cpu" and cfg.parallelism.devices_per_rank == 1
+            and not omp_own)
+
+
 def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]:
     """The engine processes' environment: the platform's and the backend's, the hash seed
     the routers share, what the config's own fields switch on, then engine.env."""
@@ -346,8 +354,7 @@ def engine_env(cfg: RayAttnConfig, spec: backends.BackendSpec) -> dict[str, str]
         # NOSET_* on ROCm). A single-GPU replica keeps Ray's per-replica device assignment:
         # with NOSET there, every DP rank of a node would run on device 0.
         env.update(backends.RAY_EXECUTOR_ENV[plat])
-    omp_own = any(k.startswith(("OMP_", "VLLM_CPU_OMP")) for k in cfg.engine.env)
-    if plat == "cpu" and cfg.parallelism.devices_per_rank == 1 and not omp_own:
+    if worker_in_engine_core(cfg):
         # One CPU worker per rank: vLLM runs it inside the (rank's) engine core process
         # instead of spawning a worker process of its own (vllm/platforms/cpu.py switches
         # its `uni` executor to `mp` unless told), which saved an interpreter and vLLM's
@@ -507,9 +514,9 @@ def engine_kwargs(cfg: RayAttnConfig, spec: backends.BackendSpec, block_size: in
         # DP ranks of one device each: vLLM's own processes on the devices Ray gave the
         # replica (placement()). Inside a Ray actor vLLM would pick its Ray executor for DP.
         # On CPU each rank's engine core runs its worker itself, as a one-rank engine does
-        # (engine_env): vLLM's DP default ("mp") starts one more process per rank, importing
-        # vLLM and loading the model again. GPUs keep "mp" until measured there.
-        kw["distributed_executor_backend"] = "uni" if cfg.platform.kind == "cpu" else "mp"
+        # (worker_in_engine_core): vLLM's DP default ("mp") starts one more process per
+        # rank, importing vLLM and loading the model again. GPUs keep "mp" until measured.
+        kw["distributed_executor_backend"] = "uni" if worker_in_engine_core(cfg) else "mp"
     kw = {k: v for k, v in kw.items() if v is not None}
     kw.update(e.extra_engine_kwargs)
     return kw
