@@ -137,6 +137,24 @@ def stop_group(proc: subprocess.Popen, grace: float = 60) -> None:
         pass
 
 
+def end_strays(since: float, grace: float = 15) -> list[str]:
+    """HAProxy processes started since `since` that outlived the stop of their `serve run`:
+    ended by pid (the stop they missed is what `rayattn-haproxy` does where rayattn is
+    installed; a snapshot on PYTHONPATH has no such wrapper)."""
+    import psutil
+
+    deadline = time.time() + grace
+    while True:
+        strays = [p for p in psutil.process_iter(["name", "create_time", "cmdline"])
+                  if p.info["name"] == "haproxy" and p.info["create_time"] >= since - 1]
+        if not strays or time.time() > deadline:
+            break
+        time.sleep(0.5)
+    for p in strays:
+        p.kill()
+    return [" ".join(p.info["cmdline"] or [])[:120] for p in strays]
+
+
 def gpus_free(gpus: int, timeout: float = 120) -> None:
     """Until no process holds GPU memory (a stopped stack's engines take seconds to go)."""
     if not gpus:
@@ -196,12 +214,13 @@ class Starts:
             every = time.time() if self._engines_up(url) else None
             time.sleep(0.25)
         self.stop()  # lines already written keep the time they were first read
+        strays = end_strays(t0)
         seen = watch.finish()
         engines = [v for k, v in seen.items() if k != "cluster"]
         return {"stack": "rayattn", "first_answer_s": first and round(first - t0, 1),
                 "all_engines_s": every and round(every - t0, 1),
                 "phases": {**seen.get("cluster", {}), **slowest(engines, self.engines)},
-                "exit": proc.returncode, "log": str(log)}
+                "exit": proc.returncode, "strays_ended": strays, "log": str(log)}
 
     def _engines_up(self, url: str) -> bool:
         import httpx
