@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # After what PYTHONPATH names: bench/gpu/run.sh serves a snapshot of rayattn from there.
 sys.path.append(str(ROOT))
 
-from bench.peers.vllm_router import serve_flags  # noqa: E402
+from bench.peers.vllm_router import end_group, serve_flags  # noqa: E402
 from rayattn.config.plan import Plan  # noqa: E402
 
 CLUSTER_PHASES = {"ray_up": r"Started a local Ray instance",
@@ -124,19 +124,6 @@ def wait_answers(urls: list[str], model: str, procs: list[subprocess.Popen],
     return when
 
 
-def stop_group(proc: subprocess.Popen, grace: float = 60) -> None:
-    """SIGTERM to the process group this script started (as a user stops a server), then
-    SIGKILL if it is still there after `grace` seconds."""
-    try:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(grace)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-    except ProcessLookupError:
-        pass
-
-
 def end_strays(since: float, grace: float = 15) -> list[str]:
     """HAProxy processes started since `since` that outlived the stop of their `serve run`:
     ended by pid (the stop they missed is what `rayattn-haproxy` does where rayattn is
@@ -196,8 +183,9 @@ class Starts:
         return p
 
     def stop(self) -> None:
+        # As a user stops a server: SIGTERM to its process group.
         while self.running:
-            stop_group(self.running.pop())
+            end_group(self.running.pop(), grace=60)
 
     def rayattn(self) -> dict[str, Any]:
         t0 = time.time()

@@ -87,13 +87,13 @@ class PeerStack:
 
     def stop_router(self) -> None:
         if self.router is not None:
-            _end(self.router)
+            end_group(self.router)
             self.router = None
 
     def stop(self) -> None:
         self.stop_router()
         for p in self.engines:
-            _end(p)
+            end_group(p)
         self.engines = []
 
 
@@ -113,10 +113,9 @@ def _wait(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
     raise TimeoutError(f"{url} not up in {timeout}s")
 
 
-def _end(p: subprocess.Popen, grace: float = 20) -> None:
-    """SIGTERM the process group we started, SIGKILL it after `grace` seconds."""
-    if p.poll() is not None:
-        return
+def end_group(p: subprocess.Popen, grace: float = 20) -> None:
+    """SIGTERM the process group we started (its leader may be gone, the group not), SIGKILL
+    it after `grace` seconds."""
     try:
         os.killpg(p.pid, signal.SIGTERM)
         p.wait(grace)
