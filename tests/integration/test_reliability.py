@@ -212,7 +212,6 @@ def test_replica_killed_under_load_loses_nothing(server, killed_under_load):
     assert not left, f"engine processes of the killed replica still running: {left}"
 
 
-
 def test_streaming_request_on_dying_replica_ends_with_error_event(killed_under_load):
     """A stream already emitting when its replica dies ends with an SSE error event."""
     k = killed_under_load

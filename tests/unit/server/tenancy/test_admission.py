@@ -7,8 +7,10 @@ import asyncio
 
 import pytest
 
+from rayattn.config.schema import RouterConfig
 from rayattn.server.errors import APIError
 from rayattn.server.tenancy.admission import Admission, FairQueue, RateLimits
+from rayattn.server.tenancy.gates import Gates
 
 
 def test_a_key_under_its_share_is_admitted_past_the_router_limit():
@@ -116,9 +118,6 @@ def test_a_key_at_its_cap_waits_while_others_go():
 
 
 def test_a_new_limit_starts_the_peak_again_from_what_is_admitted():
-    from rayattn.config.schema import RouterConfig
-    from rayattn.server.tenancy.gates import Gates
-
     gates = Gates.of(RouterConfig(max_inflight=8))
     slots = [gates.admission.acquire() for _ in range(6)]
     for s in slots[2:]:
