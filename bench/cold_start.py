@@ -8,10 +8,11 @@ gives its own engines), started in turn, alternating which goes first.
 Per start: seconds to the first answer (a 1-token chat completion through the stack's front
 door), to every engine answering, and when each phase first shows in the stack's log, for the
 slowest engine (the stack serves fully once its last engine does): Ray up, Serve up, app
-deployed (rayattn only), vLLM's config resolved in the engine's process, its engine core
-process, weights loaded, torch.compile done, engine initialized, engine serving. Each stack is
-stopped as a user stops it (SIGTERM to its process group) before the next starts, and the next
-waits for the GPUs to be free. vLLM's compile cache is shared: the very first start fills it.
+deployed and the engine replica's own start (rayattn only), vLLM's config resolved in the
+engine's process, its engine core process, weights loaded, torch.compile done, engine
+initialized, engine serving. Each stack is stopped as a user stops it (SIGTERM to its process
+group) before the next starts, and the next waits for the GPUs to be free. vLLM's compile
+cache is shared: the very first start fills it.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from rayattn.config.plan import Plan  # noqa: E402
 CLUSTER_PHASES = {"ray_up": r"Started a local Ray instance",
                   "serve_up": r"Started Serve in namespace",
                   "app_deploying": r"Deploying new app"}
-ENGINE_PHASES = {"vllm_config": r"Resolved architecture",
+ENGINE_PHASES = {"replica_init": r"rayattn\.engine: engine \S+ starting",
+                 "vllm_config": r"Resolved architecture",
                  "engine_core": r"Initializing a V1 LLM engine",
                  "weights_loaded": r"Loading weights took",
                  "compiled": r"torch\.compile (took|takes)",

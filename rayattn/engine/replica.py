@@ -61,10 +61,13 @@ class EngineReplica:
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
         # watcher in its own session ends them when this process is gone.
         self._reaper = reaper.start_for_current_process()
+        self.replica_id, self.rank = serve_identity()
+        # The first of the start's milestones in the log (then vLLM's own, then "ready"):
+        # what came before is Ray's worker start and the imports of rayattn and Ray.
+        log.info("engine %s starting (pid %d): loading vLLM", self.replica_id, os.getpid())
         # vLLM loads here, in the replica, not where Serve builds the application.
         from rayattn.engine import startup
 
-        self.replica_id, self.rank = serve_identity()
         self.cfg, self.plan = cfg, plan
         self.tracing = tracing.make(cfg.tracing, "engine")
         self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id,
