@@ -18,6 +18,7 @@ cache is shared: the very first start fills it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import threading
 import time
+import uuid
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ ENGINE_PHASES = {"replica_init": r"rayattn\.engine: engine \S+ starting",
 """Each phase's first log line. In rayattn's log, engine phases count only on the engine
 replicas' lines (`(ServeReplica:<app>:engine pid=N)`: the router builds a vLLM config too),
 cluster phases only on the others."""
+RUN_MARK = "RAYATTN_COLD_START_RUN"
+"""In the environment of everything a run starts: what marks its processes as its own."""
 ENGINE_LINE = re.compile(r"\(ServeReplica:[^:]+:engine[^ ]* pid=(\d+)\)")
 
 
@@ -126,21 +130,27 @@ def wait_answers(urls: list[str], model: str, procs: list[subprocess.Popen],
     return when
 
 
-def end_strays(since: float, grace: float = 15) -> list[str]:
-    """HAProxy processes started since `since` that outlived the stop of their `serve run`:
-    ended by pid (the stop they missed is what `rayattn-haproxy` does where rayattn is
-    installed; a snapshot on PYTHONPATH has no such wrapper)."""
+def end_strays(run: str, grace: float = 15) -> list[str]:
+    """HAProxy processes of this run (they inherit RUN_MARK from `serve run`) that outlived
+    its stop: ended by pid (the stop they missed is what `rayattn-haproxy` does where rayattn
+    is installed; a snapshot on PYTHONPATH has no such wrapper)."""
     import psutil
+
+    def ours(p: psutil.Process) -> bool:
+        try:
+            return p.info["name"] == "haproxy" and p.environ().get(RUN_MARK) == run
+        except psutil.Error:
+            return False
 
     deadline = time.time() + grace
     while True:
-        strays = [p for p in psutil.process_iter(["name", "create_time", "cmdline"])
-                  if p.info["name"] == "haproxy" and p.info["create_time"] >= since - 1]
+        strays = [p for p in psutil.process_iter(["name", "cmdline"]) if ours(p)]
         if not strays or time.time() > deadline:
             break
         time.sleep(0.5)
     for p in strays:
-        p.kill()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            p.kill()
     return [" ".join(p.info["cmdline"] or [])[:120] for p in strays]
 
 
@@ -176,18 +186,21 @@ class Starts:
         self.engines, self.gpus, self.logdir, self.timeout = engines, gpus, logdir, timeout
         self.vllm_ports = [pick_port() for _ in range(engines)]
         self.running: list[subprocess.Popen] = []
+        self.run = uuid.uuid4().hex
 
     def _spawn(self, cmd: list[str], log: Path, env: dict[str, str]) -> subprocess.Popen:
         with log.open("w") as out:
-            p = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1"}, stdout=out,
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+            p = subprocess.Popen(cmd, env={**env, "PYTHONUNBUFFERED": "1", RUN_MARK: self.run},
+                                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         self.running.append(p)
         return p
 
-    def stop(self) -> None:
-        # As a user stops a server: SIGTERM to its process group.
+    def stop(self) -> list[str]:
+        """As a user stops a server: SIGTERM to its process group; then this run's strays."""
         while self.running:
-            end_group(self.running.pop(), grace=60)
+            end_group(self.running[-1], grace=60)  # popped once ended (a SIGTERM may land)
+            self.running.pop()
+        return end_strays(self.run)
 
     def rayattn(self) -> dict[str, Any]:
         t0 = time.time()
@@ -203,13 +216,14 @@ class Starts:
         while first is not None and every is None and time.time() < t0 + self.timeout:
             every = time.time() if self._engines_up(url) else None
             time.sleep(0.25)
-        self.stop()  # lines already written keep the time they were first read
-        strays = end_strays(t0)
+        strays = self.stop()  # lines already written keep the time they were first read
         seen = watch.finish()
         engines = [v for k, v in seen.items() if k != "cluster"]
         return {"stack": "rayattn", "first_answer_s": first and round(first - t0, 1),
                 "all_engines_s": every and round(every - t0, 1),
                 "phases": {**seen.get("cluster", {}), **slowest(engines, self.engines)},
+                # More than the engines: a replica restarted (its phases are then left out).
+                "engine_processes_seen": len(engines),
                 "exit": proc.returncode, "strays_ended": strays, "log": str(log)}
 
     def _engines_up(self, url: str) -> bool:

@@ -114,13 +114,18 @@ def _wait(url: str, timeout: float, procs: list[subprocess.Popen]) -> None:
 
 
 def end_group(p: subprocess.Popen, grace: float = 20) -> None:
-    """SIGTERM the process group we started (its leader may be gone, the group not), SIGKILL
-    it after `grace` seconds."""
+    """SIGTERM the process group we started, SIGKILL what is left of it after `grace`
+    seconds (its leader may be gone while the rest of the group is not)."""
+    deadline = time.time() + grace
     try:
         os.killpg(p.pid, signal.SIGTERM)
-        p.wait(grace)
-    except subprocess.TimeoutExpired:
+        while time.time() < deadline:
+            os.killpg(p.pid, 0)  # ProcessLookupError once nothing of the group is left
+            time.sleep(0.2)
         os.killpg(p.pid, signal.SIGKILL)
-        p.wait(10)
     except ProcessLookupError:
+        pass
+    try:
+        p.wait(10)
+    except subprocess.TimeoutExpired:
         pass

@@ -63,7 +63,8 @@ class EngineReplica:
         self._reaper = reaper.start_for_current_process()
         self.replica_id, self.rank = serve_identity()
         # The first of the start's milestones in the log (then vLLM's own, then "ready"):
-        # what came before is Ray's worker start and the imports of rayattn and Ray.
+        # what came before is Ray's worker start, Ray's and rayattn's imports, the plan and
+        # the reaper's start.
         log.info("engine %s starting (pid %d): loading vLLM", self.replica_id, os.getpid())
         # vLLM loads here, in the replica, not where Serve builds the application.
         from rayattn.engine import startup
