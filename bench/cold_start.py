@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # After what PYTHONPATH names: bench/gpu/run.sh serves a snapshot of rayattn from there.
 sys.path.append(str(ROOT))
 
-from bench.peers.vllm_router import end_group, serve_flags  # noqa: E402
+from bench.peers.vllm_router import end_group, serve_command  # noqa: E402
 from rayattn.config.plan import Plan  # noqa: E402
 
 CLUSTER_PHASES = {"ray_up": r"Started a local Ray instance",
@@ -168,13 +168,6 @@ def gpus_free(gpus: int, timeout: float = 120) -> None:
     raise TimeoutError(f"GPU memory still held {timeout} s after the stop: {held.stdout}")
 
 
-def vllm_command(plan: Plan, port: int) -> list[str]:
-    """`vllm serve` with the engine arguments rayattn's plan gives its own engines."""
-    kw = {k: v for k, v in plan.engine_kwargs.items() if k != "disable_log_stats"}
-    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
-            "--host", "127.0.0.1", "--port", str(port), *serve_flags(kw)]
-
-
 class Starts:
     """One start of either stack at a time; `running` is what a stop must end."""
 
@@ -246,7 +239,7 @@ class Starts:
                 env["CUDA_VISIBLE_DEVICES"] = devices[k % len(devices)] if devices[0] \
                     else str(k % self.gpus)
             log = self.logdir / f"vllm{k}-{t0:.0f}.log"
-            procs.append(self._spawn(vllm_command(self.plan, port), log, env))
+            procs.append(self._spawn(serve_command(self.plan, port), log, env))
             watches.append(LogWatch(log, t0, split_engines=False))
             watches[-1].start()
         urls = [f"http://127.0.0.1:{p}" for p in self.vllm_ports]
@@ -289,7 +282,7 @@ def main() -> int:
     out = Path(a.out)
     report: dict[str, Any] = json.loads(out.read_text()) if out.exists() else {"runs": []}
     report.update(config=a.config, model=a.model, engines=plan.replicas,
-                  vllm_command=" ".join(vllm_command(plan, starts.vllm_ports[0])))
+                  vllm_command=" ".join(serve_command(plan, starts.vllm_ports[0])))
     print(f"{plan.replicas} engines; logs in {logdir}", flush=True)
     # `timeout` sends SIGTERM: stop what runs, keep what was measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))

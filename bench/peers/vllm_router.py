@@ -39,6 +39,14 @@ def serve_flags(engine_kwargs: dict[str, Any]) -> list[str]:
     return flags
 
 
+def serve_command(plan: Plan, port: int) -> list[str]:
+    """`vllm serve` on 127.0.0.1:`port` with the engine arguments rayattn's plan gives its own
+    engines."""
+    kw = {k: v for k, v in plan.engine_kwargs.items() if k != "disable_log_stats"}
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", kw["model"],
+            "--host", "127.0.0.1", "--port", str(port), *serve_flags(kw)]
+
+
 class PeerStack:
     """N `vllm serve` engines + one vllm-router at a time."""
 
@@ -56,16 +64,11 @@ class PeerStack:
                                 start_new_session=True)
 
     def start_engines(self, timeout: float = 600) -> float:
-        kw = dict(self.plan.engine_kwargs)
-        model = kw["model"]
-        kw.pop("disable_log_stats", None)
         env = {**os.environ, **self.plan.env, "VLLM_SERVER_DEV_MODE": "1"}
         t0 = time.time()
         for i, url in enumerate(self.urls):
-            port = url.rsplit(":", 1)[1]
-            cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
-                   model, "--host", "127.0.0.1", "--port", port,
-                   "--enable-prompt-tokens-details", *serve_flags(kw)]
+            cmd = [*serve_command(self.plan, int(url.rsplit(":", 1)[1])),
+                   "--enable-prompt-tokens-details"]
             self.engines.append(self._spawn(cmd, f"vllm-serve-{i}", env))
         for url in self.urls:
             _wait(f"{url}/health", timeout, self.engines)
