@@ -35,6 +35,7 @@ test: venv
 	./scripts/install-prometheus.sh
 	@echo "[test] ruff"
 	.venv/bin/ruff check rayattn tests bench
-	@echo "[test] pytest: the lifecycle tests start and stop whole clusters first, then one Ray" \
-	  "cluster serves every other integration test, then the unit tests run"
-	PATH="$(CURDIR)/.venv/prometheus/bin:$$PATH" .venv/bin/python -m pytest -v --durations=15
+	@echo "[test] pytest: the unit tests in a process of their own beside the integration" \
+	  "tests; the lifecycle tests start and stop whole clusters first, then one Ray cluster" \
+	  "serves every other integration test"
+	PATH="$(CURDIR)/.venv/prometheus/bin:$$PATH" .venv/bin/python -m pytest -v --durations=15 --unit-beside

@@ -52,6 +52,7 @@ class AreaSummary:
     def __init__(self) -> None:
         self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         self.seconds: dict[str, float] = defaultdict(float)
+        self.failures = ""
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         a = area(report.nodeid)
@@ -62,8 +63,17 @@ class AreaSummary:
         elif report.when == "teardown" and report.failed:
             self.counts[a]["error"] += 1
 
+    def add(self, area_name: str, counts: dict[str, int], seconds: float, failures: str) -> None:
+        for outcome, n in counts.items():
+            self.counts[area_name][outcome] += n
+        self.seconds[area_name] += seconds
+        self.failures += failures
+
     def pytest_terminal_summary(self, terminalreporter: TerminalReporter) -> None:
         tr = terminalreporter
+        if self.failures:
+            tr.section("unit tests run beside: their output's end", red=True)
+            tr.write_line(self.failures)
         tr.section("summary by area")
         for a in ORDER + sorted(set(self.counts) - set(ORDER)):
             if a not in self.counts:
@@ -78,3 +88,10 @@ def configure(config: pytest.Config) -> None:
     global _config
     _config = config
     config.pluginmanager.register(AreaSummary(), "rayattn-area-summary")
+
+
+def add(area_name: str, counts: dict[str, int], seconds: float, failures: str) -> None:
+    """Outcomes of tests run outside this session (tests/beside.py) into its summary."""
+    assert _config is not None
+    summary = _config.pluginmanager.get_plugin("rayattn-area-summary")
+    summary.add(area_name, counts, seconds, failures)

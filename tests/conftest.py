@@ -17,7 +17,7 @@ from rayattn import cluster_env
 from rayattn.bench.cli import wait_healthy
 from rayattn.ports import pick_port
 from rayattn.server import front_door
-from tests import areas
+from tests import areas, beside
 from tests.own_apps import Collector, own_apps_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -26,8 +26,30 @@ for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_
     os.environ.setdefault(k, v)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(beside.OPTION, action="store_true",
+                     help="run the unit tests in a process of their own beside the "
+                          "integration tests (tests/beside.py; make test does)")
+
+
 def pytest_configure(config: pytest.Config) -> None:
     areas.configure(config)
+
+
+_UNIT_BESIDE = pytest.StashKey[beside.UnitBeside]()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    child = session.config.stash.get(_UNIT_BESIDE, None)
+    if child is None:
+        return
+    rc, counts, seconds, tail = child.finish(
+        interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    areas.add("unit", counts, seconds, tail)
+    if rc not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) \
+            and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def local_config() -> dict:
@@ -229,3 +251,8 @@ def pytest_collection_modifyitems(config, items):
             return 2
         return 1 if it.get_closest_marker("disruptive") else 0
     items.sort(key=order)
+    child = beside.split_off(config, items)
+    if child is not None:
+        config.stash[_UNIT_BESIDE] = child
+        areas.progress(f"unit tests: {child.count} running beside the integration tests in "
+                       f"pid {child.proc.pid} (output: {child.log})")
