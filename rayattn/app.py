@@ -84,7 +84,7 @@ def engine_options(plan: Plan, name: str = ENGINE_DEPLOYMENT,
         routers = config_bounds(cfg).max
     scaling: dict[str, Any] = {"num_replicas": cfg.parallelism.data_parallel_size}
     if cfg.serve.engine_autoscaling is not None:
-        scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.model_dump()}
+        scaling = {"autoscaling_config": cfg.serve.engine_autoscaling.serve_config()}
     return dict(
         name=name,
         **scaling,

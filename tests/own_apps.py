@@ -18,6 +18,14 @@ SIM_APP = "rayattn-sim"
 SIMULATED = {"step_ms": 5.0, "prefill_us_per_token": 20.0, "decode_us_per_seq": 40.0,
              "num_blocks": 4096, "max_tokens": 8}
 """The simulated engines' settings (engine.simulated) in SIM_APP."""
+SIM_KV_TARGET = 0.01
+"""SIM_APP's engines autoscale (2..3) on KV usage alone, at this target (41 of 4096 blocks:
+one request of a long prompt running over it); requests in flight never ask for more."""
+SIM_AUTOSCALING = {"min_replicas": 2, "max_replicas": 3, "target_ongoing_requests": 1000,
+                   "upscale_delay_s": 1, "downscale_delay_s": 4, "look_back_period_s": 3,
+                   "metrics_interval_s": 1, "policy": {
+                       "policy_function": "rayattn.engine.scaling_policy:EnginesForTargets",
+                       "policy_kwargs": {"kv_usage": SIM_KV_TARGET}}}
 
 
 class Collector:
@@ -61,7 +69,8 @@ def own_apps_config(multi_file: str, local: dict[str, Any], otlp_url: str) -> di
     """One Serve config of the three applications. The multi-model app's traces go to the
     test's own receiver (tracing is off in the shipped file). The DP-ranks app is local.yaml's
     with `parallelism.engine_dp_size: 2` and one engine replica (one reservation of
-    `cpus_per_engine` for both ranks); the simulated engines reserve hundredths of a CPU."""
+    `cpus_per_engine` for both ranks); the simulated engines reserve hundredths of a CPU and
+    autoscale on their KV usage (SIM_AUTOSCALING)."""
     multi = yaml.safe_load(multi_file)
     assert multi["applications"][0]["name"] == MULTI_APP
     multi["applications"][0]["args"]["tracing"] = {"otlp_endpoint": otlp_url}
@@ -79,4 +88,7 @@ def own_apps_config(multi_file: str, local: dict[str, Any], otlp_url: str) -> di
     sim.update(name=SIM_APP, route_prefix="/sim")
     sim["args"]["platform"]["cpus_per_engine"] = 0.01
     sim["args"]["engine"]["simulated"] = SIMULATED
+    for d in sim["deployments"]:
+        if d["name"] == "engine":
+            d["autoscaling_config"] = SIM_AUTOSCALING
     return {**multi, "applications": [*multi["applications"], dp, sim]}

@@ -131,7 +131,12 @@ class Plan:
 
     def _replicas_text(self) -> str:
         lo, hi = self.replica_range
-        return str(lo) if lo == hi else f"{lo}..{hi} (autoscaled)"
+        if lo == hi:
+            return str(lo)
+        auto = self.config.serve.engine_autoscaling
+        on = ", ".join([f"{auto.target_ongoing_requests:g} requests in flight",
+                        *(f"{k}={v:g}" for k, v in auto.targets.items())]) if auto else ""
+        return f"{lo}..{hi} (autoscaled on {on})" if on else f"{lo}..{hi} (autoscaled)"
 
     def _routers_text(self) -> str:
         c = self.config

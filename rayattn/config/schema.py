@@ -460,12 +460,22 @@ class RouterConfig(RouterFields, _Strict):
         return RoutingSettings.of(self)
 
 
+SCALING_POLICY = "rayattn.engine.scaling_policy:EnginesForTargets"
+"""Serve's import path of rayattn's engine autoscaling policy."""
+SCALING_TARGETS = ("ttft_p90_s", "itl_p90_s", "kv_usage")
+
+
 class EngineAutoscaling(_Strict):
-    """Serve autoscaling of the engine replicas (Serve's default policy: replicas =
-    ongoing requests / target_ongoing_requests, within [min_replicas, max_replicas]).
-    Defaults are Serve's: an `autoscaling_config` in the Serve config replaces them whole. A new
-    replica joins every router as soon as its engine answers; a leaving one gets no new
-    requests and finishes its running ones (serve.graceful_shutdown_timeout_s)."""
+    """Serve autoscaling of the engine replicas, within [min_replicas, max_replicas]. With no
+    latency or KV target, Serve's default policy: replicas = ongoing requests /
+    target_ongoing_requests. With any of `ttft_p90_s`, `itl_p90_s`, `kv_usage`, rayattn's
+    policy (rayattn/engine/scaling_policy.py): the engines report those signals and the fleet
+    follows the most pressed target, requests in flight included, with a hold band against
+    flapping. Defaults are Serve's: an `autoscaling_config` in the Serve config replaces them
+    whole (write the targets there as its `policy`, `SCALING_POLICY` with its kwargs; `rayattn
+    check` reads them back). A new replica joins every router as soon as its engine answers;
+    a leaving one gets no new requests and finishes its running ones
+    (serve.graceful_shutdown_timeout_s)."""
 
     min_replicas: PositiveInt = 1
     """Fewest engine replicas (each loads the model: no scale to zero)."""
@@ -481,13 +491,53 @@ class EngineAutoscaling(_Strict):
     look_back_period_s: float = Field(30, gt=0)
     """Window over which ongoing requests are averaged (longer than metrics_interval_s)."""
     metrics_interval_s: float = Field(10, gt=0)
-    """How often replicas report their ongoing requests to Serve's autoscaler."""
+    """How often replicas report their ongoing requests (and the signals below) to Serve's
+    autoscaler."""
+    ttft_p90_s: float | None = Field(None, gt=0)
+    """Time to first token the fleet aims for: each engine's p90 over its requests since its
+    last report, averaged over the engines and Serve's look-back window. None: not a signal."""
+    itl_p90_s: float | None = Field(None, gt=0)
+    """Inter-token latency the fleet aims for, as ttft_p90_s is read."""
+    kv_usage: float | None = Field(None, gt=0, le=1)
+    """Share of the KV cache the running requests may fill (vLLM's kv_cache_usage, averaged
+    over each engine's steps and over the engines; an engine without steps counts 0)."""
+    hold_band: float = Field(0.6, gt=0, lt=1)
+    """Where every signal is below this share of its target the fleet shrinks, to as many
+    engines as leave the most pressed one at this share; between it and the target it holds."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_serve_policy(cls, data: Any) -> Any:
+        """The Serve config's form: `policy: {policy_function: SCALING_POLICY, policy_kwargs:
+        {targets}}` beside Serve's own fields."""
+        if not isinstance(data, dict) or "policy" not in data:
+            return data
+        data = dict(data)
+        policy = data.pop("policy") or {}
+        if not isinstance(policy, dict) or policy.get("policy_function") != SCALING_POLICY:
+            raise ValueError(f"policy: only rayattn's engine policy ({SCALING_POLICY!r}) is "
+                             "read here, with its policy_kwargs (ttft_p90_s, itl_p90_s, "
+                             "kv_usage, hold_band)")
+        return {**data, **(policy.get("policy_kwargs") or {})}
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:
         _check_scaling(self.min_replicas, self.max_replicas, self.look_back_period_s,
                        self.metrics_interval_s)
         return self
+
+    @property
+    def targets(self) -> dict[str, float]:
+        """The latency and KV targets set (rayattn's policy runs where there is one)."""
+        return {k: v for k in SCALING_TARGETS if (v := getattr(self, k)) is not None}
+
+    def serve_config(self) -> dict[str, Any]:
+        """Serve's autoscaling_config: its own fields, and rayattn's policy with the targets."""
+        out = self.model_dump(exclude={*SCALING_TARGETS, "hold_band"})
+        if self.targets:
+            out["policy"] = {"policy_function": SCALING_POLICY, "policy_kwargs": {
+                **self.targets, "hold_band": self.hold_band}}
+        return out
 
 
 def _check_scaling(lo: int | None, hi: int | None, look_back_s: float,

@@ -23,6 +23,7 @@ from rayattn.engine.autoscaled import AutoscaledFlag
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.inflight import InflightCounts
 from rayattn.engine.kv_mirror import node_ip
+from rayattn.engine.load_signals import LoadSignals
 from rayattn.engine.openai_layer import LazyOpenAILayer, OpenAILayer
 from rayattn.engine.protocol import (
     DirectAddress,
@@ -73,7 +74,8 @@ class EngineReplica:
         self.tracing = tracing.make(cfg.tracing, "engine")
         self.metrics = (EngineMetrics(cfg.model.name, plan.backend.name, self.replica_id,
                                       self.rank) if metrics_enabled else None)
-        kwargs, loggers = startup.observed_kwargs(plan, self.metrics)
+        self.load_signals = LoadSignals()
+        kwargs, loggers = startup.observed_kwargs(plan, self.metrics, self.load_signals)
         self.dp_ranks = int(kwargs.get("data_parallel_size", 1))
         self.kv_mirrors = startup.kv_event_mirrors(plan, kwargs, self.dp_ranks)
         self.engine, startup_s = startup.start_engine(kwargs, loggers)
@@ -161,6 +163,11 @@ class EngineReplica:
                 engine.shutdown()
             except Exception:
                 log.exception("engine shutdown failed")
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's autoscaler asks every metrics_interval_s (rayattn/engine/scaling_policy.py
+        reads it)."""
+        return self.load_signals.read()
 
     async def check_health(self) -> None:
         # Serve calls this periodically; raising makes Serve replace the replica. A live

@@ -70,6 +70,12 @@ class PrefixCache:
     def used(self) -> int:
         return len(self.free) + len(self.refs) + self.anonymous
 
+    @property
+    def usage(self) -> float:
+        """The share running requests hold, as vLLM's kv_cache_usage counts it (a cached
+        block no request uses is free)."""
+        return (len(self.refs) + self.anonymous) / self.capacity if self.capacity else 0.0
+
     def cached(self, key: int) -> bool:
         return key in self.refs or key in self.free
 

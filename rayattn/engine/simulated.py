@@ -30,6 +30,7 @@ from rayattn.engine.autoscaled import AutoscaledFlag
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.inflight import InflightCounts
 from rayattn.engine.kv_mirror import TOPIC, KVMirror, node_ip, private_ipc_endpoints
+from rayattn.engine.load_signals import LoadSignals
 from rayattn.engine.protocol import (
     DirectAddress,
     EngineInfo,
@@ -80,6 +81,7 @@ class SimulatedEngineReplica:
         self._loop_task: asyncio.Task | None = None
         self._direct: DirectServer | None = None
         self._autoscaled = AutoscaledFlag()
+        self.load_signals = LoadSignals()
         from vllm.distributed.kv_events import ZmqEventPublisher
 
         self.mirror: KVMirror | None = None
@@ -112,6 +114,10 @@ class SimulatedEngineReplica:
         if self._direct is None:
             self._direct = DirectServer(self.serve, _classify)
         return await self._direct.address(node_ip())
+
+    async def record_autoscaling_stats(self) -> dict[str, float]:
+        """As a vLLM engine replica reports them (rayattn/engine/load_signals.py)."""
+        return self.load_signals.read()
 
     async def check_health(self) -> None:
         if self._loop_task is not None and self._loop_task.done():
@@ -187,9 +193,15 @@ class SimulatedEngineReplica:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            kv_usage = self.core.cache.usage  # as vLLM reports it: after scheduling
             await asyncio.sleep(step.duration_s)
-            for r in self.core.finish(step, loop.time()):
+            now = loop.time()
+            got = self.core.finish(step, now)
+            for r in got:
                 r.waker.set()
+            self.load_signals.record(
+                kv_usage, [now - r.arrived for r in got if r.generated == 1],
+                [step.duration_s] * sum(1 for r in got if r.generated > 1))
             self._publish()
 
     def _submit(self, token_ids: list[int], max_tokens: int, salt: str | None) -> SimRequest:

@@ -15,17 +15,18 @@ from vllm.v1.metrics.ray_wrappers import RayPrometheusStatLogger
 from rayattn import compat
 from rayattn.config.plan import Plan
 from rayattn.engine.kv_mirror import TOPIC, KVMirror, node_ip, private_ipc_endpoints
+from rayattn.engine.load_signals import LoadSignals, make_signals_logger_factory
 from rayattn.integrations.devices import device_report_kwargs
 from rayattn.integrations.vllm_engine import engine_args
 from rayattn.integrations.vllm_kv_events import dp_rank_endpoint
 from rayattn.metrics.engine_metrics import EngineMetrics, make_step_logger_factory
 
 
-def observed_kwargs(plan: Plan, metrics: EngineMetrics | None
+def observed_kwargs(plan: Plan, metrics: EngineMetrics | None, signals: LoadSignals
                     ) -> tuple[dict[str, Any], list[Any]]:
     """The plan's engine arguments with rayattn's observers added, and the stat loggers."""
     kwargs = dict(plan.engine_kwargs)
-    loggers: list[Any] = [RayPrometheusStatLogger]
+    loggers: list[Any] = [RayPrometheusStatLogger, make_signals_logger_factory(signals)]
     if metrics is not None:
         kwargs.update(compat.step_metrics_kwargs(metrics))
         loggers.append(make_step_logger_factory(metrics))

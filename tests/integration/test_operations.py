@@ -141,6 +141,29 @@ def test_router_reconfigure_live_under_load_keeps_engines(ray_cluster, server):
     assert {n: e["pid"] for n, e in after["engines"].items()} == pids
 
 
+def test_vllm_engines_report_their_load_signals_to_serves_autoscaler(ray_cluster, server):
+    """What rayattn's engine policy reads (rayattn/engine/scaling_policy.py; the simulated
+    fleet's test has Serve scale on it): a real vLLM engine's KV usage and its first-token and
+    inter-token p90s, from vLLM's own iteration statistics, over the time since the previous
+    report (Serve's or this test's)."""
+    from ray import serve
+
+    handle = serve.get_deployment_handle("engine", app_name="rayattn")
+    seen: dict[str, float] = {}
+    with Load(server, streams=2):
+        def reported() -> bool:
+            got = handle.record_autoscaling_stats.remote().result(timeout_s=30)
+            for k, v in got.items():
+                seen[k] = max(seen.get(k, 0.0), v)
+            return all(seen.get(k, 0) > 0 for k in ("kv_usage", "ttft_p90_s", "itl_p90_s"))
+
+        _wait("a report with KV usage and both latencies", reported, 60)
+    # The stream's prompts and answers hold a few blocks of 728, each latency under the
+    # 120 s a request may take.
+    assert 0 < seen["kv_usage"] < 0.5
+    assert 0 < seen["ttft_p90_s"] < 120 and 0 < seen["itl_p90_s"] < 120
+
+
 @pytest.mark.disruptive
 def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     """New autoscaling bounds for the engine deployment in the Serve config (min 1, max 2;

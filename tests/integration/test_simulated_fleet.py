@@ -2,18 +2,21 @@
 runs them (bench/router_capacity.py): Serve deploys them in place of vLLM engines, the router
 probes them, follows their KV events over the relays and calls them over the direct
 transport, and a conversation's next turn goes where its history is cached and finds it there.
+Serve autoscales them with rayattn's policy on their KV usage (tests/own_apps.py
+SIM_AUTOSCALING): a third engine under long prompts, back to two when they stop.
 
 Runs on an application of its own (tests/own_apps.py), deployed beside the multi-model and
 DP-ranks ones."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import httpx
 import pytest
 
-from tests.own_apps import SIM_APP, SIMULATED
+from tests.own_apps import SIM_APP, SIM_AUTOSCALING, SIMULATED
 
 pytestmark = [pytest.mark.integration, pytest.mark.own_app]
 MODEL = "smollm2"
@@ -66,3 +69,57 @@ def test_a_conversation_continues_where_its_history_is_cached(sim):
     assert ext["predicted_cached_tokens"] > 0
     cached = usage.prompt_tokens_details.cached_tokens
     assert cached >= answer.usage.prompt_tokens - 32, (cached, usage)
+
+
+def _wait(what: str, check, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while not (got := check()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.5)
+    return got
+
+
+def test_serve_adds_an_engine_on_kv_usage_and_removes_it_when_the_load_goes(sim):
+    """Requests in flight stay far under their target (1000 per engine); the KV the long
+    prompts hold is over its target (1 %): the engines report it, rayattn's policy asks for
+    a third, which serves; with the load gone there is no KV held, no latency, and the fleet
+    is back at its minimum. Not one request fails."""
+    lo, hi = SIM_AUTOSCALING["min_replicas"], SIM_AUTOSCALING["max_replicas"]
+    before = _health(sim)
+    assert len(before["replicas_up"]) == lo
+    done: list[tuple[int, str | None]] = []
+    stop = threading.Event()
+
+    def stream(i: int) -> None:
+        with httpx.Client(timeout=60) as c:
+            n = 0
+            while not stop.is_set():
+                n += 1
+                # ~1,500 tokens of its own (its first block differs): ~47 blocks held
+                # while it runs, above the target.
+                doc = f"Request {i}.{n}: " + "river mountain valley forest ocean " * 280
+                r = c.post(f"{sim}/v1/chat/completions", json={
+                    "model": MODEL, "max_tokens": 8,
+                    "messages": [{"role": "user", "content": doc}]},
+                    headers={"x-session-id": f"kv-{i}-{n}"})
+                done.append((r.status_code, r.headers.get("x-rayattn-replica")))
+
+    threads = [threading.Thread(target=stream, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    try:
+        def added() -> list[str]:
+            failed = [code for code, _ in done if code != 200]
+            assert not failed, failed[:5]
+            return [n for n in _health(sim)["replicas_up"] if n not in before["replicas_up"]]
+
+        up = _wait(f"engine {hi} of {hi}", added, 120)
+        _wait("requests on the new engine", lambda: any(r == up[0] for _, r in done), 30)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join()
+    _wait(f"back to {lo} engines", lambda: (h := _health(sim))["replicas"] == lo
+          and len(h["replicas_up"]) == lo, 120)
+    codes = [code for code, _ in done]
+    assert codes and codes.count(200) == len(codes), codes

@@ -300,7 +300,13 @@ def test_engine_replica_counts_come_from_the_engine_deployment_entry():
     auto = cfg.serve.engine_autoscaling
     assert (auto.min_replicas, auto.max_replicas) == (2, 8)
     assert build_plan(cfg).replica_range == (2, 8)
-    assert engine_options(build_plan(cfg))["autoscaling_config"]["max_replicas"] == 8
+    serve = engine_options(build_plan(cfg))["autoscaling_config"]
+    assert serve["max_replicas"] == 8
+    # The shipped targets reach Serve as they are written there (rayattn's policy).
+    entry = next(d for d in app["deployments"] if d["name"] == "engine")
+    assert serve["policy"]["policy_kwargs"] == {
+        **entry["autoscaling_config"]["policy"]["policy_kwargs"], "hold_band": 0.6}
+    assert auto.targets == {"ttft_p90_s": 2.0, "kv_usage": 0.85}
     app["deployments"] = [{"name": "engine", "num_replicas": 3}]
     assert parse_args(app_args(app)).parallelism.data_parallel_size == 3
 

@@ -85,3 +85,21 @@ def test_a_second_turn_is_served_from_the_first_turns_blocks_and_events_carry_it
     while not want <= set(replica.mirror.snapshot().keys):
         assert time.monotonic() < deadline, "the mirror never saw the stored blocks"
         time.sleep(0.05)
+
+
+def test_it_reports_its_load_as_a_vllm_engine_replica_does(replica):
+    """What Serve's autoscaler reads (rayattn/engine/scaling_policy.py): KV usage over its
+    steps, and first-token and inter-token p90s of the requests served since the last
+    report."""
+    async def go():
+        await replica.record_autoscaling_stats()  # what the previous test left
+        await asyncio.gather(*(_serve(replica, _request(list(range(i, i + 300)), False,
+                                                       f"load{i}"))
+                               for i in range(0, 4000, 1000)))
+        return await replica.record_autoscaling_stats(), await replica.record_autoscaling_stats()
+
+    busy, idle = asyncio.run(go())
+    # Four 300-token prompts (+3 tokens each) held blocks of 4096 while they ran.
+    assert 0 < busy["kv_usage"] <= 4 * -(-303 // 32) / SIM["num_blocks"]
+    assert busy["ttft_p90_s"] > 0 and busy["itl_p90_s"] > 0
+    assert idle == {"kv_usage": 0.0}  # nothing ran since: no KV held, no latency

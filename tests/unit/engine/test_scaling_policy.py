@@ -1,0 +1,135 @@
+"""rayattn.engine.scaling_policy and load_signals: engines for the most pressed target, run
+inside Serve's own wrapper (bounds, delays) with Serve's AutoscalingContext; what an engine
+reports; the targets from the config to Serve's autoscaling_config and back."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import time
+
+import pytest
+from pydantic import ValidationError
+
+from rayattn.config.schema import SCALING_POLICY, EngineAutoscaling
+from rayattn.engine import scaling_policy
+from rayattn.engine.load_signals import LoadSignals, p90
+from rayattn.engine.scaling_policy import ONGOING, EnginesForTargets, engines_for
+
+
+def test_engines_follow_the_most_pressed_target_with_a_hold_band():
+    assert engines_for(2, {ONGOING: 0.5, "kv_usage": 1.5}, 0.6) == 3
+    assert engines_for(1, {ONGOING: 2.7}, 0.6) == 3
+    assert engines_for(3, {ONGOING: 1.01}, 0.6) == 4        # just above: one more
+    assert engines_for(4, {ONGOING: 0.9, "ttft_p90_s": 0.61}, 0.6) == 4  # in the band: hold
+    assert engines_for(4, {ONGOING: 0.3, "kv_usage": 0.2}, 0.6) == 2
+    assert engines_for(2, {ONGOING: 0.0}, 0.6) == 1         # never below one
+    assert engines_for(3, {}, 0.6) == 3                      # nothing known: stay
+    # No flapping: after a shrink the highest pressure lands at or under the band.
+    for current in range(1, 17):
+        for top in (0.05, 0.2, 0.35, 0.5, 0.59):
+            after = engines_for(current, {ONGOING: top}, 0.6)
+            assert after <= current and top * current / after <= 0.6 + 1e-9
+            assert engines_for(after, {ONGOING: top * current / after}, 0.6) == after
+
+
+def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.0,
+         target_ongoing: float = 2.0, lo: int = 1, hi: int = 8, delay_s: float = 0):
+    from ray.serve._private.common import DeploymentID, ReplicaID
+    from ray.serve.config import AutoscalingConfig, AutoscalingContext
+
+    dep = DeploymentID(name="engine", app_name="rayattn")
+    ids = {f"r{i}": ReplicaID(unique_id=f"r{i}", deployment_id=dep) for i in range(current)}
+    config = AutoscalingConfig(min_replicas=lo, max_replicas=hi, upscale_delay_s=delay_s,
+                               downscale_delay_s=delay_s, look_back_period_s=15,
+                               target_ongoing_requests=target_ongoing)
+    return AutoscalingContext(
+        deployment_id=dep, deployment_name="engine", app_name="rayattn",
+        current_num_replicas=current, target_num_replicas=current,
+        running_replicas=list(ids.values()), total_num_requests=ongoing,
+        total_queued_requests=0,
+        aggregated_metrics={m: {ids[k]: v for k, v in per.items()} for m, per in
+                            metrics.items()},
+        raw_metrics={}, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
+        policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
+        current_time=time.time(), config=config)
+
+
+def test_pressures_are_the_fleets_signals_over_their_targets():
+    policy = EnginesForTargets(ttft_p90_s=0.5, kv_usage=0.8)
+    got = policy.pressures(_ctx({"ttft_p90_s": {"r0": 0.4, "r1": 0.8},
+                                 "kv_usage": {"r0": 0.2, "r1": 0.0},
+                                 "itl_p90_s": {"r0": 9.0}}, current=2, ongoing=6))
+    # ttft: mean 0.6 of 0.5; kv: mean 0.1 of 0.8; requests: 6 over 2 engines × 2; the ITL
+    # reported has no target here and is no signal.
+    assert got == pytest.approx({"ttft_p90_s": 1.2, "kv_usage": 0.125, ONGOING: 1.5})
+    # A latency nobody reported (no traffic) is left out, not read as 0.
+    assert "ttft_p90_s" not in policy.pressures(_ctx({"kv_usage": {"r0": 0.1}}, current=1))
+
+
+def test_serve_runs_the_policy_within_its_bounds_and_delays():
+    """Serve's wrapper of a custom policy (the one its controller applies: delays)."""
+    from ray.serve.autoscaling_policy import _apply_autoscaling_config
+
+    policy = _apply_autoscaling_config(EnginesForTargets(kv_usage=0.5))
+    # KV over its target on one engine, few requests: the KV signal asks for two.
+    up, state = policy(_ctx({"kv_usage": {"r0": 0.9}}, current=1, ongoing=1, hi=2))
+    assert up == 2 and state["pressures"]["kv_usage"] == pytest.approx(1.8)
+    # The highest pressure decides (Serve's deployment state bounds it afterwards).
+    assert policy(_ctx({"kv_usage": {"r0": 1.0}}, current=1, ongoing=50))[0] == 25
+    # Idle: no latency reported, KV empty, nothing in flight: back to the minimum.
+    assert policy(_ctx({"kv_usage": {"r0": 0.0, "r1": 0.0}}, current=2, lo=1))[0] == 1
+    # With a delay, the first tick that asks for more keeps the count and starts the clock.
+    held, state = policy(_ctx({"kv_usage": {"r0": 0.9}}, current=1, hi=2, delay_s=30))
+    assert held == 1 and state["__decision_timestamp"] is not None
+
+
+def test_the_policy_module_imports_nothing_of_rayattn():
+    """Serve pickles the module by value into its controller, which may not have rayattn."""
+    tree = ast.parse(inspect.getsource(scaling_policy))
+    names = [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
+        [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+    assert not [n for n in names if n.startswith("rayattn")]
+
+
+def test_an_engine_reports_its_kv_usage_and_latency_percentiles_since_the_last_report():
+    s = LoadSignals()
+    assert s.read() == {"kv_usage": 0.0}  # no step, no request: no KV used, no latency
+    s.record(0.2, [0.1, 0.3], [0.01] * 9 + [0.05])
+    s.record(0.4, [], [0.02])
+    s.record(None, [0.2], [])  # an output without scheduler stats
+    got = s.read()
+    assert got["kv_usage"] == pytest.approx(0.3)
+    assert got["ttft_p90_s"] == 0.3 and got["itl_p90_s"] == 0.02
+    assert s.read() == {"kv_usage": 0.0}  # each report covers the time since the last
+    assert p90(range(1, 11)) == 9 and p90([]) is None
+
+
+def test_targets_go_to_serve_as_rayattns_policy_and_come_back_from_a_serve_config():
+    auto = EngineAutoscaling(min_replicas=1, max_replicas=4, kv_usage=0.8, ttft_p90_s=1.5)
+    serve = auto.serve_config()
+    assert serve["policy"] == {"policy_function": SCALING_POLICY, "policy_kwargs": {
+        "ttft_p90_s": 1.5, "kv_usage": 0.8, "hold_band": 0.6}}
+    assert "kv_usage" not in serve and serve["max_replicas"] == 4
+    # What `rayattn check` reads from the Serve config's engine entry is the same setting.
+    assert EngineAutoscaling(**serve) == auto
+    # Serve's own policy where no target is set: the config Serve gets has none.
+    assert "policy" not in EngineAutoscaling(max_replicas=2).serve_config()
+    with pytest.raises(ValidationError, match="only rayattn's engine policy"):
+        EngineAutoscaling(policy={"policy_function": "my.module:policy"})
+    with pytest.raises(ValidationError, match="kv_usage"):
+        EngineAutoscaling(kv_usage=1.5)
+
+
+def test_serve_loads_the_policy_it_is_given_by_value_with_its_targets():
+    """Serve's own config model takes what engine_options hands it; its controller's
+    loader unpickles the class and instantiates it with the targets."""
+    from ray.serve._private.autoscaling_state import _resolve_policy_callable
+    from ray.serve.config import AutoscalingConfig
+
+    cfg = AutoscalingConfig(**EngineAutoscaling(max_replicas=3, itl_p90_s=0.05).serve_config())
+    cfg.policy.serialize_policy()
+    policy = _resolve_policy_callable(cfg.policy)
+    assert policy.targets == {"itl_p90_s": 0.05} and policy.hold_band == 0.6
+    # Inter-token p90 twice the target on the one engine: a second.
+    assert policy(_ctx({"itl_p90_s": {"r0": 0.1}}, current=1))[0] == 2
