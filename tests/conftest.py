@@ -32,23 +32,24 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "integration tests (tests/beside.py; make test does)")
 
 
+_UNIT_BESIDE = pytest.StashKey[beside.Splitter]()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     areas.configure(config)
-
-
-_UNIT_BESIDE = pytest.StashKey[beside.UnitBeside]()
+    splitter = beside.configure(config)
+    if splitter is not None:
+        config.stash[_UNIT_BESIDE] = splitter
 
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    child = session.config.stash.get(_UNIT_BESIDE, None)
-    if child is None:
+    splitter = session.config.stash.get(_UNIT_BESIDE, None)
+    if splitter is None or splitter.child is None:
         return
-    rc, counts, seconds, tail = child.finish(
-        interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
-    areas.add("unit", counts, seconds, tail)
-    if rc not in (pytest.ExitCode.OK, pytest.ExitCode.NO_TESTS_COLLECTED) \
-            and session.exitstatus == pytest.ExitCode.OK:
+    out = splitter.child.finish(interrupted=exitstatus == pytest.ExitCode.INTERRUPTED)
+    areas.add("unit", out.counts, out.seconds, out.output_end)
+    if out.exit_code != pytest.ExitCode.OK and session.exitstatus == pytest.ExitCode.OK:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
@@ -251,8 +252,3 @@ def pytest_collection_modifyitems(config, items):
             return 2
         return 1 if it.get_closest_marker("disruptive") else 0
     items.sort(key=order)
-    child = beside.split_off(config, items)
-    if child is not None:
-        config.stash[_UNIT_BESIDE] = child
-        areas.progress(f"unit tests: {child.count} running beside the integration tests in "
-                       f"pid {child.proc.pid} (output: {child.log})")

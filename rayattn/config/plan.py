@@ -414,6 +414,13 @@ def build_plan(cfg: RayAttnConfig, prepare_model: bool = False) -> Plan:
         notes.append("one engine replica and serve.engine_max_surge_percent 0: an engine "
                      "update stops it before its replacement serves (set the surge to 100 "
                      "if a spare replica's devices exist)")
+    auto = cfg.serve.engine_autoscaling
+    if auto is not None and auto.targets and auto.target_ongoing_requests * 4 <= (
+            cfg.engine.max_num_seqs or 256):
+        notes.append(f"engine autoscaling: {auto.target_ongoing_requests:g} requests in flight "
+                     "per engine is a target too, and at that count it decides before "
+                     f"{', '.join(auto.targets)} do; raise target_ongoing_requests toward what "
+                     "one engine runs at once (engine.max_num_seqs) to scale on those")
     return Plan(cfg, arch, spec, reason, block_size, env, kwargs, bundles, strategy,
                 replicas, notes, adapter_paths(cfg, prepare_model))
 

@@ -463,6 +463,7 @@ class RouterConfig(RouterFields, _Strict):
 SCALING_POLICY = "rayattn.engine.scaling_policy:EnginesForTargets"
 """Serve's import path of rayattn's engine autoscaling policy."""
 SCALING_TARGETS = ("ttft_p90_s", "itl_p90_s", "kv_usage")
+"""The policy's signals (rayattn/engine/scaling_policy.py SIGNALS: config sits below engine)."""
 
 
 class EngineAutoscaling(_Strict):
@@ -491,11 +492,13 @@ class EngineAutoscaling(_Strict):
     look_back_period_s: float = Field(30, gt=0)
     """Window over which ongoing requests are averaged (longer than metrics_interval_s)."""
     metrics_interval_s: float = Field(10, gt=0)
-    """How often replicas report their ongoing requests (and the signals below) to Serve's
+    """How often replicas push their ongoing requests (and the signals below) to Serve's
     autoscaler."""
     ttft_p90_s: float | None = Field(None, gt=0)
     """Time to first token the fleet aims for: each engine's p90 over its requests since its
-    last report, averaged over the engines and Serve's look-back window. None: not a signal."""
+    last report, averaged over the engines and Serve's look-back window; grows the fleet at
+    most twofold per decision. Set it well above the unloaded TTFT (adding engines does not
+    shorten a prefill). None: not a signal."""
     itl_p90_s: float | None = Field(None, gt=0)
     """Inter-token latency the fleet aims for, as ttft_p90_s is read."""
     kv_usage: float | None = Field(None, gt=0, le=1)
@@ -514,11 +517,16 @@ class EngineAutoscaling(_Strict):
             return data
         data = dict(data)
         policy = data.pop("policy") or {}
+        known = {*SCALING_TARGETS, "hold_band"}
         if not isinstance(policy, dict) or policy.get("policy_function") != SCALING_POLICY:
             raise ValueError(f"policy: only rayattn's engine policy ({SCALING_POLICY!r}) is "
-                             "read here, with its policy_kwargs (ttft_p90_s, itl_p90_s, "
-                             "kv_usage, hold_band)")
-        return {**data, **(policy.get("policy_kwargs") or {})}
+                             f"read here, with its policy_kwargs ({', '.join(sorted(known))})")
+        kwargs = policy.get("policy_kwargs") or {}
+        if not isinstance(kwargs, dict) or set(kwargs) - known or not set(kwargs) & set(
+                SCALING_TARGETS):
+            raise ValueError(f"policy.policy_kwargs: at least one of {', '.join(SCALING_TARGETS)}"
+                             f" and nothing but them and hold_band, not {kwargs!r}")
+        return {**data, **kwargs}
 
     @model_validator(mode="after")
     def _bounds(self) -> EngineAutoscaling:

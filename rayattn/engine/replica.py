@@ -165,8 +165,8 @@ class EngineReplica:
                 log.exception("engine shutdown failed")
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
-        """Serve's autoscaler asks every metrics_interval_s (rayattn/engine/scaling_policy.py
-        reads it)."""
+        """Serve's autoscaler asks every few seconds (rayattn/engine/scaling_policy.py reads
+        the answers)."""
         return self.load_signals.read()
 
     async def check_health(self) -> None:

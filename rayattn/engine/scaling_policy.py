@@ -3,14 +3,15 @@ the user's targets asks for (serve.engine_autoscaling: requests in flight per en
 where set the time to first token, the inter-token latency and the KV cache usage).
 
 Each target gives a pressure, what the engines report over what the target allows (1.0: on
-target). Above 1 the fleet grows in proportion to the highest pressure, as Serve's own rule
-does for requests in flight. Below `hold_band` of every target it shrinks, but only to as
-many engines as keep the highest pressure at `hold_band` afterwards, so the next decision
-does not grow it again (no flapping); in between it holds. Serve's controller runs it every
-tick and applies the bounds and the upscale/downscale delays around it. The engines report
-their signals through `record_autoscaling_stats` (rayattn/engine/load_signals.py); a latency
-with no request behind it is absent (no traffic, no latency pressure): an idle fleet shrinks
-on its requests in flight alone.
+target). Above 1 the fleet grows: in proportion to the highest pressure where that is
+requests in flight or KV (they divide over the engines), by at most doubling where it is a
+latency (latency does not divide: an unloaded prefill takes as long on any engine, and
+queueing rises steeply near saturation). Below `hold_band` of every target it shrinks, to as
+many engines as keep the highest pressure at `hold_band` and by at most half per decision, so
+the next decision does not grow it again (no flapping); in between it holds the count Serve
+aims for (replicas still starting included). Serve's controller runs it every tick and
+applies the bounds and the upscale/downscale delays around it. The engines report their
+signals through `record_autoscaling_stats` (rayattn/engine/load_signals.py).
 
 Serve pickles this module by value into its controller: it imports nothing of rayattn."""
 
@@ -23,22 +24,29 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ray.serve.config import AutoscalingContext
 
-SIGNALS = ("ttft_p90_s", "itl_p90_s", "kv_usage")
+LATENCIES = ("ttft_p90_s", "itl_p90_s")
+SIGNALS = (*LATENCIES, "kv_usage")
 """The metrics engines report, each named as the target that bounds it."""
 ONGOING = "ongoing_requests"
 """The pressure of requests in flight per engine (Serve's own count)."""
+LATENCY_GROWTH = 2.0
+"""The most a latency pressure multiplies the fleet by in one decision."""
 
 
-def engines_for(current: int, pressures: Mapping[str, float], hold_band: float) -> int:
-    """Engines for the highest of `pressures` (observed / target); `current` with none."""
+def engines_for(current: int, target: int, pressures: Mapping[str, float],
+                hold_band: float) -> int:
+    """Engines for `pressures` (observed / target by signal): `current` running, `target`
+    what Serve aims for now (more while replicas start, fewer while they drain)."""
     if current <= 0 or not pressures:
-        return current
+        return target
     top = max(pressures.values())
     if top > 1.0:
-        return max(current + 1, math.ceil(current * top - 1e-9))
+        grow = max((min(v, LATENCY_GROWTH) if k in LATENCIES else v)
+                   for k, v in pressures.items())
+        return max(target, current + 1, math.ceil(current * grow - 1e-9))
     if top >= hold_band:
-        return current
-    return max(1, math.ceil(current * top / hold_band - 1e-9))
+        return target
+    return max(1, math.ceil(current / 2), math.ceil(current * top / hold_band - 1e-9))
 
 
 def fleet_signal(per_replica: Mapping[Any, float | None] | None) -> float | None:
@@ -54,18 +62,23 @@ class EnginesForTargets:
 
     def __init__(self, hold_band: float = 0.6, ttft_p90_s: float | None = None,
                  itl_p90_s: float | None = None, kv_usage: float | None = None) -> None:
+        # Checked here too: a Serve config reaches Serve's controller without rayattn's
+        # schema having seen it.
+        if not 0 < hold_band < 1:
+            raise ValueError(f"hold_band must be in (0, 1), not {hold_band}")
         self.hold_band = hold_band
-        self.targets = {k: v for k, v in (("ttft_p90_s", ttft_p90_s),
-                                          ("itl_p90_s", itl_p90_s),
-                                          ("kv_usage", kv_usage)) if v is not None}
+        self.targets = {k: v for k, v in zip(SIGNALS, (ttft_p90_s, itl_p90_s, kv_usage),
+                                             strict=True) if v is not None}
+        bad = {k: v for k, v in self.targets.items() if not v > 0}
+        if bad or not self.targets:
+            raise ValueError(f"targets must be > 0, at least one of {SIGNALS}: {bad}")
 
     def pressures(self, ctx: AutoscalingContext) -> dict[str, float]:
         current = ctx.current_num_replicas
         out: dict[str, float] = {}
         if current > 0:
-            ongoing = ctx.total_num_requests
-            ongoing = ongoing() if callable(ongoing) else ongoing
-            out[ONGOING] = ongoing / (ctx.config.get_target_ongoing_requests() * current)
+            out[ONGOING] = ctx.total_num_requests / (
+                ctx.config.get_target_ongoing_requests() * current)
         metrics = ctx.aggregated_metrics or {}
         for name, target in self.targets.items():
             value = fleet_signal(metrics.get(name))
@@ -76,5 +89,6 @@ class EnginesForTargets:
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         pressures = self.pressures(ctx)
         # Serve keeps the returned state with the deployment: the last decision's reasons.
-        return (engines_for(ctx.current_num_replicas, pressures, self.hold_band),
+        return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,
+                            self.hold_band),
                 {"pressures": {k: round(v, 3) for k, v in pressures.items()}})

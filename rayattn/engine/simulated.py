@@ -194,14 +194,16 @@ class SimulatedEngineReplica:
                 await self._wake.wait()
                 continue
             kv_usage = self.core.cache.usage  # as vLLM reports it: after scheduling
+            before = {id(r): r.last_token_at for r in step.decoding}
             await asyncio.sleep(step.duration_s)
             now = loop.time()
             got = self.core.finish(step, now)
             for r in got:
                 r.waker.set()
+            # Measured, as TTFT is: a busy host stretches the step beyond its nominal time.
             self.load_signals.record(
                 kv_usage, [now - r.arrived for r in got if r.generated == 1],
-                [step.duration_s] * sum(1 for r in got if r.generated > 1))
+                [now - t for r in got if (t := before.get(id(r))) is not None])
             self._publish()
 
     def _submit(self, token_ids: list[int], max_tokens: int, salt: str | None) -> SimRequest:

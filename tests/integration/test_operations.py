@@ -150,14 +150,16 @@ def test_vllm_engines_report_their_load_signals_to_serves_autoscaler(ray_cluster
 
     handle = serve.get_deployment_handle("engine", app_name="rayattn")
     seen: dict[str, float] = {}
-    with Load(server, streams=2):
-        def reported() -> bool:
-            got = handle.record_autoscaling_stats.remote().result(timeout_s=30)
-            for k, v in got.items():
+    want = ("kv_usage", "ttft_p90_s", "itl_p90_s")
+    deadline = time.time() + 90
+    with Load(server, streams=4):
+        # Each read starts the engine's next report afresh, and a latency needs 10 requests
+        # (or tokens) behind it: seconds apart, as Serve reads.
+        while not all(seen.get(k, 0) > 0 for k in want):
+            assert time.time() < deadline, f"no report with {want} in 90 s: {seen}"
+            time.sleep(3)
+            for k, v in handle.record_autoscaling_stats.remote().result(timeout_s=30).items():
                 seen[k] = max(seen.get(k, 0.0), v)
-            return all(seen.get(k, 0) > 0 for k in ("kv_usage", "ttft_p90_s", "itl_p90_s"))
-
-        _wait("a report with KV usage and both latencies", reported, 60)
     # The stream's prompts and answers hold a few blocks of 728, each latency under the
     # 120 s a request may take.
     assert 0 < seen["kv_usage"] < 0.5

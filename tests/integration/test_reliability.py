@@ -10,6 +10,7 @@ import json
 import os
 import signal
 import time
+from dataclasses import dataclass
 
 import httpx
 import pytest
@@ -65,16 +66,27 @@ raw_bytes = st.binary(max_size=200) | st.sampled_from([
     b"[" * 100_000, b'{"model": "\xff\xfe"}', b"", b"null", b'{"messages": 1e999}'])
 
 FUZZ_COUNTS = {"sent": 0, "4xx": 0, "2xx": 0}
-FUZZ_SLOWEST: list = [0.0]
-"""The slowest fuzz request: seconds, status, path, body, the end of its answer."""
+@dataclass
+class Slowest:
+    """The slowest fuzz request."""
+
+    seconds: float = 0.0
+    status: int = 0
+    path: str = ""
+    body: bytes = b""
+    answer_end: str = ""
+
+
+FUZZ_SLOWEST = Slowest()
 
 
 def _check(r: httpx.Response) -> None:
     FUZZ_COUNTS["sent"] += 1
     took = r.elapsed.total_seconds()
-    if took > FUZZ_SLOWEST[0]:
-        FUZZ_SLOWEST[:] = [took, r.status_code, r.request.url.path,
-                           r.request.content[:200], r.text[-300:]]
+    if took > FUZZ_SLOWEST.seconds:
+        FUZZ_SLOWEST.seconds, FUZZ_SLOWEST.status = took, r.status_code
+        FUZZ_SLOWEST.path, FUZZ_SLOWEST.body = r.request.url.path, r.request.content[:200]
+        FUZZ_SLOWEST.answer_end = r.text[-300:]
     assert r.status_code < 500, (r.status_code, r.text[:300])
     if r.status_code >= 400:
         FUZZ_COUNTS["4xx"] += 1
@@ -255,7 +267,7 @@ def test_fuzz_totals_and_server_still_healthy(server, client):
     assert FUZZ_COUNTS["sent"] >= 1000
     # At most 4 tokens each, one engine serving while the other is replaced: a request
     # that waits this long waited on something other than its own work (no hang).
-    assert FUZZ_SLOWEST[0] < 30, FUZZ_SLOWEST
+    assert FUZZ_SLOWEST.seconds < 30, FUZZ_SLOWEST
     assert FUZZ_COUNTS["2xx"] > 0 and FUZZ_COUNTS["4xx"] > 0
     assert health(server)["status"] == "ok"
     r = client.chat.completions.create(model=MODEL, max_tokens=8, temperature=0, messages=[

@@ -85,8 +85,8 @@ def test_serve_adds_an_engine_on_kv_usage_and_removes_it_when_the_load_goes(sim)
     a third, which serves; with the load gone there is no KV held, no latency, and the fleet
     is back at its minimum. Not one request fails."""
     lo, hi = SIM_AUTOSCALING["min_replicas"], SIM_AUTOSCALING["max_replicas"]
-    before = _health(sim)
-    assert len(before["replicas_up"]) == lo
+    before = _wait(f"{lo} engines up", lambda: (h := _health(sim))["replicas"] == lo
+                   and len(h["replicas_up"]) == lo and h, 60)
     done: list[tuple[int, str | None]] = []
     stop = threading.Event()
 

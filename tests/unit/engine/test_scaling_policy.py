@@ -11,30 +11,50 @@ import time
 import pytest
 from pydantic import ValidationError
 
-from rayattn.config.schema import SCALING_POLICY, EngineAutoscaling
+from rayattn.config.schema import SCALING_POLICY, SCALING_TARGETS, EngineAutoscaling
 from rayattn.engine import scaling_policy
-from rayattn.engine.load_signals import LoadSignals, p90
-from rayattn.engine.scaling_policy import ONGOING, EnginesForTargets, engines_for
+from rayattn.engine.load_signals import MIN_SAMPLES, LoadSignals, Reservoir, p90
+from rayattn.engine.scaling_policy import ONGOING, SIGNALS, EnginesForTargets, engines_for
 
 
 def test_engines_follow_the_most_pressed_target_with_a_hold_band():
-    assert engines_for(2, {ONGOING: 0.5, "kv_usage": 1.5}, 0.6) == 3
-    assert engines_for(1, {ONGOING: 2.7}, 0.6) == 3
-    assert engines_for(3, {ONGOING: 1.01}, 0.6) == 4        # just above: one more
-    assert engines_for(4, {ONGOING: 0.9, "ttft_p90_s": 0.61}, 0.6) == 4  # in the band: hold
-    assert engines_for(4, {ONGOING: 0.3, "kv_usage": 0.2}, 0.6) == 2
-    assert engines_for(2, {ONGOING: 0.0}, 0.6) == 1         # never below one
-    assert engines_for(3, {}, 0.6) == 3                      # nothing known: stay
-    # No flapping: after a shrink the highest pressure lands at or under the band.
+    assert engines_for(2, 2, {ONGOING: 0.5, "kv_usage": 1.5}, 0.6) == 3
+    assert engines_for(1, 1, {ONGOING: 2.7}, 0.6) == 3
+    assert engines_for(3, 3, {ONGOING: 1.01}, 0.6) == 4        # just above: one more
+    assert engines_for(4, 4, {ONGOING: 0.9, "ttft_p90_s": 0.61}, 0.6) == 4  # in the band
+    assert engines_for(4, 4, {ONGOING: 0.3, "kv_usage": 0.25}, 0.6) == 2
+    assert engines_for(2, 2, {ONGOING: 0.0}, 0.6) == 1         # never below one
+    assert engines_for(8, 8, {ONGOING: 0.0}, 0.6) == 4         # at most half at once
+    assert engines_for(3, 3, {}, 0.6) == 3                      # nothing known: stay
+    # No flapping: after a shrink the highest pressure lands at or under the band, so the
+    # next decision never grows the fleet back (it may shrink it further, by halves).
     for current in range(1, 17):
         for top in (0.05, 0.2, 0.35, 0.5, 0.59):
-            after = engines_for(current, {ONGOING: top}, 0.6)
+            after = engines_for(current, current, {ONGOING: top}, 0.6)
             assert after <= current and top * current / after <= 0.6 + 1e-9
-            assert engines_for(after, {ONGOING: top * current / after}, 0.6) == after
+            assert engines_for(after, after, {ONGOING: top * current / after}, 0.6) <= after
+
+
+def test_a_latency_grows_the_fleet_at_most_twofold_at_once():
+    """Latency does not divide over engines as requests in flight do: a TTFT 5x its target
+    doubles the fleet, it does not quintuple it; KV five times over does."""
+    assert engines_for(2, 2, {"ttft_p90_s": 5.0, ONGOING: 0.1}, 0.6) == 4
+    assert engines_for(2, 2, {"itl_p90_s": 1.2}, 0.6) == 3
+    assert engines_for(2, 2, {"kv_usage": 5.0}, 0.6) == 10
+
+
+def test_replicas_still_starting_or_gone_keep_the_count_serve_aims_for():
+    """Serve's delays compare a decision with its target, which counts replicas still
+    starting: holding means the target, or the engine that loads would be cancelled."""
+    assert engines_for(2, 3, {ONGOING: 0.8}, 0.6) == 3      # in the band, one starting
+    assert engines_for(2, 3, {ONGOING: 1.2}, 0.6) == 3      # growing: at least the target
+    assert engines_for(0, 2, {}, 0.6) == 2                   # none running (yet)
+    assert engines_for(0, 2, {"kv_usage": 2.0}, 0.6) == 2
 
 
 def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.0,
-         target_ongoing: float = 2.0, lo: int = 1, hi: int = 8, delay_s: float = 0):
+         target_ongoing: float = 2.0, lo: int = 1, hi: int = 8, delay_s: float = 0,
+         target: int | None = None):
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -45,7 +65,8 @@ def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.
                                target_ongoing_requests=target_ongoing)
     return AutoscalingContext(
         deployment_id=dep, deployment_name="engine", app_name="rayattn",
-        current_num_replicas=current, target_num_replicas=current,
+        current_num_replicas=current,
+        target_num_replicas=current if target is None else target,
         running_replicas=list(ids.values()), total_num_requests=ongoing,
         total_queued_requests=0,
         aggregated_metrics={m: {ids[k]: v for k, v in per.items()} for m, per in
@@ -67,7 +88,7 @@ def test_pressures_are_the_fleets_signals_over_their_targets():
     assert "ttft_p90_s" not in policy.pressures(_ctx({"kv_usage": {"r0": 0.1}}, current=1))
 
 
-def test_serve_runs_the_policy_within_its_bounds_and_delays():
+def test_serve_runs_the_policy_within_its_delays():
     """Serve's wrapper of a custom policy (the one its controller applies: delays)."""
     from ray.serve.autoscaling_policy import _apply_autoscaling_config
 
@@ -75,6 +96,8 @@ def test_serve_runs_the_policy_within_its_bounds_and_delays():
     # KV over its target on one engine, few requests: the KV signal asks for two.
     up, state = policy(_ctx({"kv_usage": {"r0": 0.9}}, current=1, ongoing=1, hi=2))
     assert up == 2 and state["pressures"]["kv_usage"] == pytest.approx(1.8)
+    # A third engine starting, the pressure in the band: Serve keeps it coming.
+    assert policy(_ctx({"kv_usage": {"r0": 0.4, "r1": 0.4}}, current=2, target=3))[0] == 3
     # The highest pressure decides (Serve's deployment state bounds it afterwards).
     assert policy(_ctx({"kv_usage": {"r0": 1.0}}, current=1, ongoing=50))[0] == 25
     # Idle: no latency reported, KV empty, nothing in flight: back to the minimum.
@@ -95,14 +118,28 @@ def test_the_policy_module_imports_nothing_of_rayattn():
 def test_an_engine_reports_its_kv_usage_and_latency_percentiles_since_the_last_report():
     s = LoadSignals()
     assert s.read() == {"kv_usage": 0.0}  # no step, no request: no KV used, no latency
-    s.record(0.2, [0.1, 0.3], [0.01] * 9 + [0.05])
+    s.record(0.2, [0.1] * 8 + [0.3, 0.5], [0.01] * 9 + [0.05])
     s.record(0.4, [], [0.02])
     s.record(None, [0.2], [])  # an output without scheduler stats
     got = s.read()
     assert got["kv_usage"] == pytest.approx(0.3)
     assert got["ttft_p90_s"] == 0.3 and got["itl_p90_s"] == 0.02
     assert s.read() == {"kv_usage": 0.0}  # each report covers the time since the last
+    # A few requests make no percentile (one slow request is not the fleet's p90).
+    s.record(0.1, [9.0] * (MIN_SAMPLES - 1), [])
+    assert "ttft_p90_s" not in s.read()
     assert p90(range(1, 11)) == 9 and p90([]) is None
+
+
+def test_the_latency_sample_stays_bounded_and_uniform():
+    """A busy engine makes thousands of tokens between two reports: a uniform sample of
+    them, not the last few seconds' worth."""
+    r = Reservoir(size=1000)
+    r.offer(float(i < 50_000) for i in range(100_000))  # the first half 1.0, then 0.0
+    sample, seen = r.take()
+    assert seen == 100_000 and len(sample) == 1000
+    assert 0.4 < sum(sample) / len(sample) < 0.6
+    assert r.take() == ([], 0)
 
 
 def test_targets_go_to_serve_as_rayattns_policy_and_come_back_from_a_serve_config():
@@ -117,6 +154,17 @@ def test_targets_go_to_serve_as_rayattns_policy_and_come_back_from_a_serve_confi
     assert "policy" not in EngineAutoscaling(max_replicas=2).serve_config()
     with pytest.raises(ValidationError, match="only rayattn's engine policy"):
         EngineAutoscaling(policy={"policy_function": "my.module:policy"})
+    # Serve would instantiate the policy with whatever the kwargs say.
+    for kwargs in ({"min_replicas": 3, "kv_usage": 0.5}, {}, {"hold_band": 0.5}):
+        with pytest.raises(ValidationError, match="policy_kwargs"):
+            EngineAutoscaling(policy={"policy_function": SCALING_POLICY,
+                                      "policy_kwargs": kwargs})
+    # The policy checks what a Serve config hands Serve's controller directly.
+    with pytest.raises(ValueError, match="hold_band"):
+        EnginesForTargets(hold_band=1.5, kv_usage=0.5)
+    with pytest.raises(ValueError, match="at least one"):
+        EnginesForTargets()
+    assert SCALING_TARGETS == SIGNALS  # one set of names on both sides of the layers
     with pytest.raises(ValidationError, match="kv_usage"):
         EngineAutoscaling(kv_usage=1.5)
 

@@ -1,0 +1,274 @@
+"""A load ramp (quiet → peak → quiet) against one fleet autoscaled by each policy in turn, in
+one invocation: Serve's own (requests in flight per engine) and rayattn's (a TTFT p90 target
+and KV usage; rayattn/engine/scaling_policy.py).
+
+    .venv/bin/python bench/autoscale_ramp.py [--policies ongoing:16,ongoing:2,ttft:1.0]
+        [--engines 1,3] [--quiet 4] [--peak 16] [--phases-s 60,120,90] [--think-s 2]
+        [--runs 1] [--out bench/results/autoscale_ramp.json] [--plot docs/img/ramp.png]
+
+Ray and Serve start here with deployments/local.yaml's app, its engines simulated (their step
+time models a GPU engine's: `--prefill-us-per-token`, `--step-ms`; the router, HAProxy and
+Serve's autoscaler are the real ones) and autoscaled between `--engines` bounds. For each
+policy and run the app is deployed anew (a policy is part of its code version in Serve:
+fresh engines, cold caches), then conversations run closed loop: a document, then turns of
+the whole history plus a question, each after a think time (exponential, mean `--think-s`);
+`--quiet` of them, then `--peak`, then `--quiet` again; a conversation of `--turns` turns
+makes way for a new one. Every second /health says how many engines Serve runs and how many
+the router sees up. Per 10-s window: engines, requests, later-turn TTFT p90. Per run: the
+share of loaded windows whose later-turn TTFT p90 is within `--ttft-target-s`, engine-seconds,
+failed requests, later-turn hit rate (cached / prompt tokens)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+MODEL = "smollm2"
+WINDOW_S = 10.0
+WORDS = ("river mountain valley forest ocean desert city harbor bridge tower garden market "
+         "engine kernel cache block token router replica prefix decode extend prefill").split()
+
+
+def autoscaling(policy: str, lo: int, hi: int, ttft_target: float) -> dict[str, Any]:
+    """`ongoing:N`: Serve's own policy at N requests in flight per engine; `ttft:S`:
+    rayattn's, TTFT p90 target S s and KV usage 0.85 (requests in flight never ask for more)."""
+    kind, _, value = policy.partition(":")
+    timing = {"min_replicas": lo, "max_replicas": hi, "upscale_delay_s": 5,
+              "downscale_delay_s": 20, "look_back_period_s": 10, "metrics_interval_s": 2}
+    if kind == "ongoing":
+        return {**timing, "target_ongoing_requests": float(value)}
+    if kind == "ttft":
+        return {**timing, "target_ongoing_requests": 1000, "policy": {
+            "policy_function": "rayattn.engine.scaling_policy:EnginesForTargets",
+            "policy_kwargs": {"ttft_p90_s": float(value or ttft_target), "kv_usage": 0.85}}}
+    raise SystemExit(f"--policies: {policy!r} is neither ongoing:N nor ttft:S")
+
+
+def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
+    import yaml
+
+    cfg = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    cfg["http_options"]["port"] = a.port
+    app = cfg["applications"][0]
+    args = app["args"]
+    args["platform"]["cpus_per_engine"] = 0.01
+    args["engine"]["simulated"] = {
+        "step_ms": a.step_ms, "prefill_us_per_token": a.prefill_us_per_token,
+        "decode_us_per_seq": a.decode_us_per_seq, "num_blocks": 16384,
+        "max_tokens": a.max_tokens}
+    lo, hi = (int(x) for x in a.engines.split(","))
+    for d in app["deployments"]:
+        if d["name"] == "engine":
+            d["autoscaling_config"] = autoscaling(policy, lo, hi, a.ttft_target_s)
+    return cfg
+
+
+def wanted(t: float, phases: list[float], quiet: int, peak: int) -> int:
+    """Conversations the ramp wants running `t` s after its start (0 once it is over)."""
+    a, b, c = phases
+    if t < a:
+        return quiet
+    if t < a + b:
+        return peak
+    return quiet if t < a + b + c else 0
+
+
+async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], list[tuple]]:
+    import aiohttp
+
+    from rayattn.bench.driver import chat_turn
+    from rayattn.bench.workloads import Conversation
+
+    phases = [float(x) for x in a.phases_s.split(",")]
+    rng = random.Random(seed)
+    results: list[dict] = []
+    health: list[tuple] = []
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    running: set[asyncio.Task] = set()
+    n = 0
+
+    async def conversation(client: aiohttp.ClientSession, name: str) -> None:
+        doc = " ".join(rng.choices(WORDS, k=a.doc_words))
+        messages = [{"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
+        conv = Conversation("", [], name, a.max_tokens)
+        for turn in range(a.turns):
+            r = await chat_turn(client, url, MODEL, messages, conv, turn, t0)
+            results.append({"t": loop.time() - t0, "turn": turn, "status": r.status,
+                            "ttft_s": r.ttft_s, "prompt": r.prompt_tokens,
+                            "cached": r.cached_tokens, "replica": r.replica})
+            if r.status != 200:
+                return
+            messages += [{"role": "assistant", "content": r.output_text},
+                         {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))}]
+            await asyncio.sleep(rng.expovariate(1 / a.think_s))
+            if len(running) > wanted(loop.time() - t0, phases, a.quiet, a.peak):
+                return  # the ramp wants fewer now
+
+    async def sample(client: aiohttp.ClientSession) -> None:
+        while True:
+            try:
+                async with client.get(f"{url}/health") as r:
+                    h = await r.json()
+                health.append((loop.time() - t0, h["replicas"], len(h["replicas_up"])))
+            except (aiohttp.ClientError, ValueError, KeyError):
+                pass
+            await asyncio.sleep(1.0)
+
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=300)) as client:
+        sampler = loop.create_task(sample(client))
+        end = sum(phases)
+        while loop.time() - t0 < end:
+            while len(running) < wanted(loop.time() - t0, phases, a.quiet, a.peak):
+                n += 1
+                task = loop.create_task(conversation(client, f"r{seed}c{n}"))
+                running.add(task)
+                task.add_done_callback(running.discard)
+            await asyncio.sleep(0.2)
+        # Over: the conversations running finish their turn; no new one starts.
+        if running:
+            await asyncio.wait(running, timeout=120)
+        for task in list(running):
+            task.cancel()
+        sampler.cancel()
+    return results, health
+
+
+def p90(xs: list[float]) -> float | None:
+    xs = sorted(xs)
+    return xs[max(0, int(0.9 * len(xs) + 0.999) - 1)] if xs else None
+
+
+def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -> dict:
+    phases = [float(x) for x in a.phases_s.split(",")]
+    end = sum(phases)
+    windows = []
+    for i in range(int(end // WINDOW_S)):
+        lo, hi = i * WINDOW_S, (i + 1) * WINDOW_S
+        later = [r["ttft_s"] for r in results if lo <= r["t"] < hi and r["turn"] > 0
+                 and r["status"] == 200]
+        eng = [h[1] for h in health if lo <= h[0] < hi]
+        up = [h[2] for h in health if lo <= h[0] < hi]
+        windows.append({"t": lo, "engines": max(eng) if eng else None,
+                        "up": min(up) if up else None,
+                        "requests": sum(1 for r in results if lo <= r["t"] < hi),
+                        "later_ttft_p90_s": round(p90(later), 3) if later else None})
+    judged = [w for w in windows if w["later_ttft_p90_s"] is not None]
+    within = [w for w in judged if w["later_ttft_p90_s"] <= a.ttft_target_s]
+    ok = [r for r in results if r["status"] == 200]
+    later = [r for r in ok if r["turn"] > 0]
+    prompt = sum(r["prompt"] for r in later)
+    engine_s = 0.0
+    for (t, e, _), (t2, _, _) in zip(health, health[1:], strict=False):
+        if t < end:
+            engine_s += e * (min(t2, end) - t)
+    peak_lo, peak_hi = phases[0], phases[0] + phases[1]
+    return {
+        "requests": len(results), "failed": len(results) - len(ok),
+        "windows_within_target": f"{len(within)}/{len(judged)}",
+        "share_within_target": round(len(within) / len(judged), 3) if judged else None,
+        "later_ttft_p90_s": round(p90([r["ttft_s"] for r in later]) or 0, 3),
+        "peak_later_ttft_p90_s": round(p90([r["ttft_s"] for r in later
+                                            if peak_lo <= r["t"] < peak_hi]) or 0, 3),
+        "engine_seconds": round(engine_s), "max_engines": max((h[1] for h in health),
+                                                              default=None),
+        "later_hit_rate": round(sum(r["cached"] for r in later) / prompt, 4) if prompt else None,
+        "windows": windows}
+
+
+def plot(runs: list[dict], a: argparse.Namespace) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(9, 6), sharex=True)
+    for run in runs:
+        w = run["summary"]["windows"]
+        label = f"{run['policy']} (run {run['run']})"
+        ax1.step([x["t"] for x in w], [x["engines"] for x in w], where="post", label=label)
+        ax2.plot([x["t"] for x in w], [x["later_ttft_p90_s"] for x in w], marker=".",
+                 label=label)
+    ax2.axhline(a.ttft_target_s, color="grey", linestyle="--", label="TTFT target")
+    ax1.set_ylabel("engines (Serve)")
+    ax2.set_ylabel("later-turn TTFT p90 (s)")
+    ax2.set_xlabel(f"s since the ramp began ({a.phases_s} s at {a.quiet}/{a.peak}/{a.quiet} "
+                   "conversations)")
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    fig.tight_layout()
+    Path(a.plot).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(a.plot, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--policies", default="ongoing:16,ongoing:2,ttft:1.0")
+    ap.add_argument("--engines", default="1,3", help="min,max engine replicas")
+    ap.add_argument("--quiet", type=int, default=4)
+    ap.add_argument("--peak", type=int, default=16)
+    ap.add_argument("--phases-s", default="60,120,90")
+    ap.add_argument("--think-s", type=float, default=2.0)
+    ap.add_argument("--turns", type=int, default=6)
+    ap.add_argument("--doc-words", type=int, default=800)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--ttft-target-s", type=float, default=1.0)
+    ap.add_argument("--step-ms", type=float, default=8.0)
+    ap.add_argument("--prefill-us-per-token", type=float, default=1000.0)
+    ap.add_argument("--decode-us-per-seq", type=float, default=300.0)
+    ap.add_argument("--runs", type=int, default=1)
+    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--out", default="bench/results/autoscale_ramp.json")
+    ap.add_argument("--plot")
+    a = ap.parse_args()
+    policies = a.policies.split(",")
+    for p in policies:
+        autoscaling(p, 1, 1, a.ttft_target_s)  # a typo fails before anything starts
+    from rayattn.app import deploy_config, wait_running
+    from rayattn.bench.cli import start_local_config, stop_local, wait_healthy
+
+    runs: list[dict] = []
+    url, startup = start_local_config(serve_config(a, policies[0]))
+    print(f"simulated fleet serving in {startup:.0f}s", flush=True)
+    try:
+        for run in range(1, a.runs + 1):
+            for i, policy in enumerate(policies):
+                if runs:  # the first start above deployed the first policy already
+                    deploy_config(serve_config(a, policy))
+                    wait_running("rayattn")
+                    wait_healthy(url)
+                lo = int(a.engines.split(",")[0])
+                deadline = time.time() + 300
+                while True:  # the fleet at its minimum before the ramp (a new app version)
+                    import httpx
+
+                    h = httpx.get(f"{url}/health", timeout=10).json()
+                    if h["replicas"] == lo and len(h["replicas_up"]) == lo:
+                        break
+                    assert time.time() < deadline, f"the fleet never settled at {lo}: {h}"
+                    time.sleep(1)
+                results, health = asyncio.run(ramp(url, a, seed=run * 100 + i))
+                summary = summarize(results, health, a)
+                runs.append({"policy": policy, "run": run, "summary": summary})
+                print(json.dumps({"policy": policy, "run": run,
+                                  **{k: v for k, v in summary.items() if k != "windows"}}),
+                      flush=True)
+                Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(a.out).write_text(json.dumps({"args": vars(a), "runs": runs}, indent=1))
+    finally:
+        stop_local()
+    if a.plot:
+        plot(runs, a)
+
+
+if __name__ == "__main__":
+    main()
