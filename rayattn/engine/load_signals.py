@@ -1,15 +1,17 @@
 """What an engine replica tells Serve's autoscaler about its load (`record_autoscaling_stats`,
-read by rayattn/engine/scaling_policy.py): its KV cache usage and the 90th percentiles of the
-time to first token and of the inter-token latency, each over the time since Serve last
-asked (every few seconds). They come from vLLM's own per-iteration statistics, through a stat
-logger (vLLM ships them from the engine core with the outputs it already sends)."""
+read by rayattn/engine/scaling_policy.py): its KV cache usage since Serve last asked (every
+few seconds) and the 90th percentiles of the time to first token and of the inter-token
+latency over the last WINDOW_S seconds. They come from vLLM's own per-iteration statistics,
+through a stat logger (vLLM ships them from the engine core with the outputs it already
+sends)."""
 
 from __future__ import annotations
 
 import logging
 import math
 import random
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from rayattn.engine.scaling_policy import SIGNALS
@@ -17,12 +19,17 @@ from rayattn.engine.scaling_policy import SIGNALS
 log = logging.getLogger("rayattn.engine")
 
 TTFT, ITL, KV = SIGNALS
-SAMPLES = 4096
-"""Latency samples kept between two reports: a uniform sample of them all (reservoir), so
-memory stays bounded however many tokens a busy engine makes, or where nobody asks."""
+WINDOW_S = 10.0
+"""Latency percentiles cover the last this many seconds, however often Serve asks (every
+couple of seconds with short look-back windows): at a few requests a second, one read's
+worth would be too few to count."""
+BUCKET_S = 1.0
+PER_BUCKET = 512
+"""Latencies kept per second of the window: a uniform sample of that second's (reservoir),
+so memory stays bounded however many tokens a busy engine makes, or where nobody asks."""
 MIN_SAMPLES = 10
-"""Fewer latencies than this since the last report give no percentile: one slow request is
-not the fleet's p90."""
+"""Fewer latencies than this in the window give no percentile: one slow request is not the
+fleet's p90."""
 
 
 def p90(values: Iterable[float]) -> float | None:
@@ -33,36 +40,71 @@ def p90(values: Iterable[float]) -> float | None:
 
 
 class Reservoir:
-    """A uniform sample of at most `size` of the values offered since the last `take`."""
+    """A uniform sample of at most `size` of the values offered to it."""
 
-    def __init__(self, size: int = SAMPLES, rng: random.Random | None = None) -> None:
-        self.size, self.rng = size, rng or random.Random(0)
+    def __init__(self, size: int, rng: random.Random) -> None:
+        self.size, self.rng = size, rng
         self.values: list[float] = []
         self.seen = 0
 
-    def offer(self, values: Iterable[float]) -> None:
-        for v in values:
-            self.seen += 1
-            if len(self.values) < self.size:
-                self.values.append(v)
-            elif (j := self.rng.randrange(self.seen)) < self.size:
-                self.values[j] = v
+    def offer(self, v: float) -> None:
+        self.seen += 1
+        if len(self.values) < self.size:
+            self.values.append(v)
+        elif (j := self.rng.randrange(self.seen)) < self.size:
+            self.values[j] = v
 
-    def take(self) -> tuple[list[float], int]:
-        """The sample and how many values it stands for; empty again."""
-        out, seen = self.values, self.seen
-        self.values, self.seen = [], 0
-        return out, seen
+
+class WindowedLatency:
+    """The latencies of the last WINDOW_S seconds, as per-second uniform samples."""
+
+    def __init__(self, window_s: float = WINDOW_S, per_bucket: int = PER_BUCKET,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.window_s, self.per_bucket, self.clock = window_s, per_bucket, clock
+        self.rng = random.Random(0)
+        self.buckets: dict[int, Reservoir] = {}
+
+    def offer(self, values: Iterable[float]) -> None:
+        now = int(self.clock() // BUCKET_S)
+        bucket = None
+        for v in values:
+            if bucket is None:
+                bucket = self.buckets.get(now)
+                if bucket is None:
+                    bucket = self.buckets[now] = Reservoir(self.per_bucket, self.rng)
+                    self._expire(now)
+            bucket.offer(v)
+
+    def _expire(self, now: int) -> None:
+        oldest = now - int(self.window_s // BUCKET_S)
+        for k in [k for k in self.buckets if k <= oldest]:
+            del self.buckets[k]
+
+    def p90(self, min_samples: int = MIN_SAMPLES) -> float | None:
+        """The window's p90, each kept value weighing for the values its second saw; None
+        with fewer than `min_samples` values in the window."""
+        self._expire(int(self.clock() // BUCKET_S))
+        if sum(b.seen for b in self.buckets.values()) < min_samples:
+            return None
+        weighted = sorted((v, b.seen / len(b.values)) for b in self.buckets.values()
+                          for v in b.values)
+        total, acc = sum(w for _, w in weighted), 0.0
+        for v, w in weighted:
+            acc += w
+            if acc >= 0.9 * total - 1e-9:
+                return v
+        return weighted[-1][0]
 
 
 class LoadSignals:
-    """Readings since the last report. An engine that ran no step since then used no KV
-    (0.0); a latency with fewer than MIN_SAMPLES requests or tokens behind it is left out
-    (little traffic is no latency pressure)."""
+    """What the engine reports: KV usage since the last report (an engine that ran no step
+    since then used no KV: 0.0) and the latencies' p90 over the last WINDOW_S seconds (left
+    out with fewer than MIN_SAMPLES requests or tokens behind it: little traffic is no latency
+    pressure)."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._kv_sum, self._kv_n = 0.0, 0
-        self._latency = {TTFT: Reservoir(), ITL: Reservoir()}
+        self._latency = {TTFT: WindowedLatency(clock=clock), ITL: WindowedLatency(clock=clock)}
 
     def record(self, kv_usage: float | None, ttfts: Iterable[float],
                itls: Iterable[float]) -> None:
@@ -73,13 +115,13 @@ class LoadSignals:
         self._latency[ITL].offer(itls)
 
     def read(self) -> dict[str, float]:
-        """The report (metric names as scaling_policy.SIGNALS), and a fresh start."""
+        """The report (metric names as scaling_policy.SIGNALS); KV usage starts afresh."""
         out = {KV: self._kv_sum / self._kv_n if self._kv_n else 0.0}
         self._kv_sum, self._kv_n = 0.0, 0
-        for name, reservoir in self._latency.items():
-            sample, seen = reservoir.take()
-            if seen >= MIN_SAMPLES:
-                out[name] = p90(sample)
+        for name, window in self._latency.items():
+            value = window.p90()
+            if value is not None:
+                out[name] = value
         return out
 
 

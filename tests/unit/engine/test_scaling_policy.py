@@ -13,7 +13,13 @@ from pydantic import ValidationError
 
 from rayattn.config.schema import SCALING_POLICY, SCALING_TARGETS, EngineAutoscaling
 from rayattn.engine import scaling_policy
-from rayattn.engine.load_signals import MIN_SAMPLES, LoadSignals, Reservoir, p90
+from rayattn.engine.load_signals import (
+    MIN_SAMPLES,
+    WINDOW_S,
+    LoadSignals,
+    WindowedLatency,
+    p90,
+)
 from rayattn.engine.scaling_policy import ONGOING, SIGNALS, EnginesForTargets, engines_for
 
 
@@ -115,8 +121,9 @@ def test_the_policy_module_imports_nothing_of_rayattn():
     assert not [n for n in names if n.startswith("rayattn")]
 
 
-def test_an_engine_reports_its_kv_usage_and_latency_percentiles_since_the_last_report():
-    s = LoadSignals()
+def test_an_engine_reports_its_kv_usage_and_the_windows_latency_percentiles():
+    now = [100.0]
+    s = LoadSignals(clock=lambda: now[0])
     assert s.read() == {"kv_usage": 0.0}  # no step, no request: no KV used, no latency
     s.record(0.2, [0.1] * 8 + [0.3, 0.5], [0.01] * 9 + [0.05])
     s.record(0.4, [], [0.02])
@@ -124,22 +131,31 @@ def test_an_engine_reports_its_kv_usage_and_latency_percentiles_since_the_last_r
     got = s.read()
     assert got["kv_usage"] == pytest.approx(0.3)
     assert got["ttft_p90_s"] == 0.3 and got["itl_p90_s"] == 0.02
-    assert s.read() == {"kv_usage": 0.0}  # each report covers the time since the last
+    # KV usage covers the time since the last report; latencies the last WINDOW_S seconds,
+    # however often Serve asks.
+    now[0] += 1
+    assert s.read() == {"kv_usage": 0.0, "ttft_p90_s": 0.3, "itl_p90_s": 0.02}
+    now[0] += WINDOW_S + 1
+    assert s.read() == {"kv_usage": 0.0}
     # A few requests make no percentile (one slow request is not the fleet's p90).
     s.record(0.1, [9.0] * (MIN_SAMPLES - 1), [])
     assert "ttft_p90_s" not in s.read()
     assert p90(range(1, 11)) == 9 and p90([]) is None
 
 
-def test_the_latency_sample_stays_bounded_and_uniform():
-    """A busy engine makes thousands of tokens between two reports: a uniform sample of
-    them, not the last few seconds' worth."""
-    r = Reservoir(size=1000)
-    r.offer(float(i < 50_000) for i in range(100_000))  # the first half 1.0, then 0.0
-    sample, seen = r.take()
-    assert seen == 100_000 and len(sample) == 1000
-    assert 0.4 < sum(sample) / len(sample) < 0.6
-    assert r.take() == ([], 0)
+def test_the_latency_sample_stays_bounded_and_weighs_each_second_by_its_traffic():
+    """A busy engine makes thousands of tokens a second: a uniform sample of each second,
+    weighted by what that second saw, not the last few tokens' worth."""
+    now = [0.0]
+    w = WindowedLatency(per_bucket=100, clock=lambda: now[0])
+    w.offer([1.0] * 10_000)                  # a busy second of slow tokens
+    now[0] += 1
+    w.offer([0.1] * 1_000)                   # a quiet second of fast ones
+    assert sum(len(b.values) for b in w.buckets.values()) == 200
+    assert w.p90() == 1.0                    # 10,000 of 11,000 were slow
+    now[0] += 1
+    w.offer([0.1] * 100_000)
+    assert w.p90() == 0.1                    # now 101,000 of 111,000 are fast
 
 
 def test_targets_go_to_serve_as_rayattns_policy_and_come_back_from_a_serve_config():
