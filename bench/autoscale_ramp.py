@@ -9,14 +9,17 @@ and KV usage; rayattn/engine/scaling_policy.py).
 Ray and Serve start here with deployments/local.yaml's app, its engines simulated (their step
 time models a GPU engine's: `--prefill-us-per-token`, `--step-ms`; the router, HAProxy and
 Serve's autoscaler are the real ones) and autoscaled between `--engines` bounds. For each
-policy and run the app is deployed anew (a policy is part of its code version in Serve:
-fresh engines, cold caches), then conversations run closed loop: a document, then turns of
-the whole history plus a question, each after a think time (exponential, mean `--think-s`);
-`--quiet` of them, then `--peak`, then `--quiet` again; a conversation of `--turns` turns
-makes way for a new one. Every second /health says how many engines Serve runs and how many
-the router sees up. Per 10-s window: engines, requests, later-turn TTFT p90. Per run: the
-share of loaded windows whose later-turn TTFT p90 is within `--ttft-target-s`, engine-seconds,
-failed requests, later-turn hit rate (cached / prompt tokens)."""
+policy and run the app is deleted and deployed anew (fresh engines, cold caches, the fleet at
+its minimum), the policies' order rotating from run to run; then the same conversations (one
+seed per run) run closed loop: a document, then turns of the whole history plus a question,
+each after a think time (exponential, mean `--think-s`); `--quiet` of them, then `--peak`,
+then `--quiet` again; a conversation of `--turns` turns makes way for a new one. Every second
+Serve's status says how many engine replicas hold resources (starting, running or stopping).
+Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turns (what the
+policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
+whose TTFT p90 is within `--ttft-target-s`, engine-seconds (also per 100 requests), failed
+requests (a turn that raised, or still running 120 s after the ramp, counts), later turns'
+uncached prompt tokens."""
 
 from __future__ import annotations
 
@@ -82,6 +85,15 @@ def wanted(t: float, phases: list[float], quiet: int, peak: int) -> int:
     return quiet if t < a + b + c else 0
 
 
+def engines_held() -> int:
+    """Engine replicas holding resources: starting, running or stopping (Serve's status)."""
+    from ray import serve
+
+    app = serve.status().applications.get("rayattn")
+    dep = app.deployments.get("engine") if app else None
+    return sum(dep.replica_states.values()) if dep else 0
+
+
 async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], list[tuple]]:
     import aiohttp
 
@@ -89,7 +101,6 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
     from rayattn.bench.workloads import Conversation
 
     phases = [float(x) for x in a.phases_s.split(",")]
-    rng = random.Random(seed)
     results: list[dict] = []
     health: list[tuple] = []
     loop = asyncio.get_running_loop()
@@ -98,12 +109,19 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
     n = 0
 
     async def conversation(client: aiohttp.ClientSession, name: str) -> None:
+        # Its own generator: every policy gets the same conversations, however they interleave.
+        rng = random.Random(f"{seed}:{name}")
         doc = " ".join(rng.choices(WORDS, k=a.doc_words))
         messages = [{"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
         conv = Conversation("", [], name, a.max_tokens)
         for turn in range(a.turns):
-            r = await chat_turn(client, url, MODEL, messages, conv, turn, t0)
-            results.append({"t": loop.time() - t0, "turn": turn, "status": r.status,
+            start = loop.time() - t0
+            try:
+                r = await chat_turn(client, url, MODEL, messages, conv, turn, t0)
+            except (TimeoutError, aiohttp.ClientError) as e:
+                results.append({"t": start, "turn": turn, "status": -1, "error": repr(e)})
+                return
+            results.append({"t": start, "turn": turn, "status": r.status,
                             "ttft_s": r.ttft_s, "prompt": r.prompt_tokens,
                             "cached": r.cached_tokens, "replica": r.replica})
             if r.status != 200:
@@ -117,9 +135,10 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
     async def sample(client: aiohttp.ClientSession) -> None:
         while True:
             try:
+                held = await loop.run_in_executor(None, engines_held)
                 async with client.get(f"{url}/health") as r:
                     h = await r.json()
-                health.append((loop.time() - t0, h["replicas"], len(h["replicas_up"])))
+                health.append((loop.time() - t0, held, len(h["replicas_up"])))
             except (aiohttp.ClientError, ValueError, KeyError):
                 pass
             await asyncio.sleep(1.0)
@@ -130,7 +149,7 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
         while loop.time() - t0 < end:
             while len(running) < wanted(loop.time() - t0, phases, a.quiet, a.peak):
                 n += 1
-                task = loop.create_task(conversation(client, f"r{seed}c{n}"))
+                task = loop.create_task(conversation(client, f"c{n}"))
                 running.add(task)
                 task.add_done_callback(running.discard)
             await asyncio.sleep(0.2)
@@ -139,7 +158,9 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
             await asyncio.wait(running, timeout=120)
         for task in list(running):
             task.cancel()
+            results.append({"t": end, "turn": -1, "status": -2, "error": "still running"})
         sampler.cancel()
+        await asyncio.gather(sampler, return_exceptions=True)
     return results, health
 
 
@@ -148,40 +169,49 @@ def p90(xs: list[float]) -> float | None:
     return xs[max(0, int(0.9 * len(xs) + 0.999) - 1)] if xs else None
 
 
+def _r3(x: float | None) -> float | None:
+    return round(x, 3) if x is not None else None
+
+
 def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -> dict:
     phases = [float(x) for x in a.phases_s.split(",")]
     end = sum(phases)
+    peak_lo, peak_hi = phases[0], phases[0] + phases[1]
+    ok = [r for r in results if r["status"] == 200]
     windows = []
     for i in range(int(end // WINDOW_S)):
         lo, hi = i * WINDOW_S, (i + 1) * WINDOW_S
-        later = [r["ttft_s"] for r in results if lo <= r["t"] < hi and r["turn"] > 0
-                 and r["status"] == 200]
+        started = [r for r in ok if lo <= r["t"] < hi]
         eng = [h[1] for h in health if lo <= h[0] < hi]
         up = [h[2] for h in health if lo <= h[0] < hi]
-        windows.append({"t": lo, "engines": max(eng) if eng else None,
-                        "up": min(up) if up else None,
-                        "requests": sum(1 for r in results if lo <= r["t"] < hi),
-                        "later_ttft_p90_s": round(p90(later), 3) if later else None})
-    judged = [w for w in windows if w["later_ttft_p90_s"] is not None]
-    within = [w for w in judged if w["later_ttft_p90_s"] <= a.ttft_target_s]
-    ok = [r for r in results if r["status"] == 200]
+        windows.append({
+            "t": lo, "engines": max(eng) if eng else None, "up": min(up) if up else None,
+            "requests": len(started), "ttft_p90_s": _r3(p90([r["ttft_s"] for r in started])),
+            "later_ttft_p90_s": _r3(p90([r["ttft_s"] for r in started if r["turn"] > 0]))})
+
+    def share(ws: list[dict]) -> str:
+        judged = [w for w in ws if w["ttft_p90_s"] is not None]
+        return f"{sum(w['ttft_p90_s'] <= a.ttft_target_s for w in judged)}/{len(judged)}"
+
     later = [r for r in ok if r["turn"] > 0]
-    prompt = sum(r["prompt"] for r in later)
     engine_s = 0.0
     for (t, e, _), (t2, _, _) in zip(health, health[1:], strict=False):
         if t < end:
             engine_s += e * (min(t2, end) - t)
-    peak_lo, peak_hi = phases[0], phases[0] + phases[1]
+    in_ramp = sum(1 for r in ok if r["t"] < end)
     return {
         "requests": len(results), "failed": len(results) - len(ok),
-        "windows_within_target": f"{len(within)}/{len(judged)}",
-        "share_within_target": round(len(within) / len(judged), 3) if judged else None,
-        "later_ttft_p90_s": round(p90([r["ttft_s"] for r in later]) or 0, 3),
-        "peak_later_ttft_p90_s": round(p90([r["ttft_s"] for r in later
-                                            if peak_lo <= r["t"] < peak_hi]) or 0, 3),
-        "engine_seconds": round(engine_s), "max_engines": max((h[1] for h in health),
-                                                              default=None),
-        "later_hit_rate": round(sum(r["cached"] for r in later) / prompt, 4) if prompt else None,
+        "windows_within_target": share(windows),
+        "peak_windows_within_target": share([w for w in windows
+                                             if peak_lo <= w["t"] < peak_hi]),
+        "ttft_p90_s": _r3(p90([r["ttft_s"] for r in ok])),
+        "peak_ttft_p90_s": _r3(p90([r["ttft_s"] for r in ok if peak_lo <= r["t"] < peak_hi])),
+        "later_ttft_p90_s": _r3(p90([r["ttft_s"] for r in later])),
+        "engine_seconds": round(engine_s),
+        "engine_seconds_per_100_requests": round(100 * engine_s / in_ramp, 1)
+        if in_ramp else None,
+        "max_engines": max((h[1] for h in health), default=None),
+        "later_uncached_tokens": sum(r["prompt"] - r["cached"] for r in later),
         "windows": windows}
 
 
@@ -196,11 +226,11 @@ def plot(runs: list[dict], a: argparse.Namespace) -> None:
         w = run["summary"]["windows"]
         label = f"{run['policy']} (run {run['run']})"
         ax1.step([x["t"] for x in w], [x["engines"] for x in w], where="post", label=label)
-        ax2.plot([x["t"] for x in w], [x["later_ttft_p90_s"] for x in w], marker=".",
+        ax2.plot([x["t"] for x in w], [x["ttft_p90_s"] for x in w], marker=".",
                  label=label)
     ax2.axhline(a.ttft_target_s, color="grey", linestyle="--", label="TTFT target")
-    ax1.set_ylabel("engines (Serve)")
-    ax2.set_ylabel("later-turn TTFT p90 (s)")
+    ax1.set_ylabel("engine replicas held")
+    ax2.set_ylabel("TTFT p90 (s), by start")
     ax2.set_xlabel(f"s since the ramp began ({a.phases_s} s at {a.quiet}/{a.peak}/{a.quiet} "
                    "conversations)")
     ax1.legend(fontsize=7)
@@ -212,16 +242,16 @@ def plot(runs: list[dict], a: argparse.Namespace) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--policies", default="ongoing:16,ongoing:2,ttft:1.0")
+    ap.add_argument("--policies", default="ongoing:16,ongoing:2,ttft:1.5")
     ap.add_argument("--engines", default="1,3", help="min,max engine replicas")
     ap.add_argument("--quiet", type=int, default=4)
     ap.add_argument("--peak", type=int, default=16)
     ap.add_argument("--phases-s", default="60,120,90")
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--turns", type=int, default=6)
-    ap.add_argument("--doc-words", type=int, default=800)
+    ap.add_argument("--doc-words", type=int, default=400)
     ap.add_argument("--max-tokens", type=int, default=16)
-    ap.add_argument("--ttft-target-s", type=float, default=1.0)
+    ap.add_argument("--ttft-target-s", type=float, default=1.5)
     ap.add_argument("--step-ms", type=float, default=8.0)
     ap.add_argument("--prefill-us-per-token", type=float, default=1000.0)
     ap.add_argument("--decode-us-per-seq", type=float, default=300.0)
@@ -233,30 +263,32 @@ def main() -> None:
     policies = a.policies.split(",")
     for p in policies:
         autoscaling(p, 1, 1, a.ttft_target_s)  # a typo fails before anything starts
+    import httpx
+
     from rayattn.app import deploy_config, wait_running
     from rayattn.bench.cli import start_local_config, stop_local, wait_healthy
 
     runs: list[dict] = []
+    lo = int(a.engines.split(",")[0])
     url, startup = start_local_config(serve_config(a, policies[0]))
+    from ray import serve  # after the start: it sets Serve's environment first
+
     print(f"simulated fleet serving in {startup:.0f}s", flush=True)
     try:
         for run in range(1, a.runs + 1):
-            for i, policy in enumerate(policies):
-                if runs:  # the first start above deployed the first policy already
+            k = (run - 1) % len(policies)  # each policy in each place of the order
+            for policy in policies[k:] + policies[:k]:
+                if runs:  # fresh engines and router, cold caches, the fleet at its minimum
+                    serve.delete("rayattn")
                     deploy_config(serve_config(a, policy))
                     wait_running("rayattn")
                     wait_healthy(url)
-                lo = int(a.engines.split(",")[0])
                 deadline = time.time() + 300
-                while True:  # the fleet at its minimum before the ramp (a new app version)
-                    import httpx
-
-                    h = httpx.get(f"{url}/health", timeout=10).json()
-                    if h["replicas"] == lo and len(h["replicas_up"]) == lo:
-                        break
+                while not ((h := httpx.get(f"{url}/health", timeout=10).json())["replicas"]
+                           == lo and len(h["replicas_up"]) == lo):
                     assert time.time() < deadline, f"the fleet never settled at {lo}: {h}"
                     time.sleep(1)
-                results, health = asyncio.run(ramp(url, a, seed=run * 100 + i))
+                results, health = asyncio.run(ramp(url, a, seed=run))
                 summary = summarize(results, health, a)
                 runs.append({"policy": policy, "run": run, "summary": summary})
                 print(json.dumps({"policy": policy, "run": run,

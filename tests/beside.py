@@ -7,6 +7,7 @@ the session's exit status."""
 from __future__ import annotations
 
 import ctypes
+import functools
 import os
 import shutil
 import signal
@@ -41,11 +42,16 @@ def is_unit(item: pytest.Item) -> bool:
     return item.nodeid.startswith("tests/unit/")
 
 
-def _child_setup() -> None:
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # resolved here: no dlopen after fork
+PR_SET_PDEATHSIG = 1
+
+
+def _child_setup(parent: int) -> None:
     os.nice(NICE)
-    # Ends with the session however the session ends (a SIGKILLed make test included).
-    PR_SET_PDEATHSIG = 1
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    # Ends with the session's pytest however it ends (SIGKILLed included); a parent gone
+    # before the call would not signal it, hence the check after.
+    if _PRCTL(PR_SET_PDEATHSIG, signal.SIGTERM) != 0 or os.getppid() != parent:
+        os._exit(1)
 
 
 class UnitBeside:
@@ -62,7 +68,7 @@ class UnitBeside:
                 [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                  "-p", "no:rayattn-area-summary", f"--junitxml={self.xml}", *nodeids],
                 cwd=root, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                preexec_fn=_child_setup)
+                preexec_fn=functools.partial(_child_setup, os.getpid()))
 
     def finish(self, interrupted: bool) -> Outcome:
         """Waits for the child (ends it where the session was interrupted, or after
@@ -113,7 +119,9 @@ class Splitter:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         opt = self.config.option
-        if opt.collectonly or getattr(opt, "lf", False) or getattr(opt, "failedfirst", False):
+        # The last-failed and stepwise plugins select after this hook: they see one session.
+        if opt.collectonly or any(getattr(opt, o, False)
+                                  for o in ("lf", "failedfirst", "stepwise")):
             return
         unit = [it for it in items if is_unit(it)]
         if not unit or len(unit) == len(items):

@@ -495,10 +495,10 @@ class EngineAutoscaling(_Strict):
     """How often replicas push their ongoing requests (and the signals below) to Serve's
     autoscaler."""
     ttft_p90_s: float | None = Field(None, gt=0)
-    """Time to first token the fleet aims for: each engine's p90 over its requests since its
-    last report, averaged over the engines and Serve's look-back window; grows the fleet at
-    most twofold per decision. Set it well above the unloaded TTFT (adding engines does not
-    shorten a prefill). None: not a signal."""
+    """Time to first token the fleet aims for: each engine's p90 over its last 10 s, weighted
+    by its requests over the engines and averaged over Serve's look-back window; grows the
+    fleet at most twofold per decision. Set it well above the unloaded TTFT (adding engines
+    does not shorten a prefill). None: not a signal."""
     itl_p90_s: float | None = Field(None, gt=0)
     """Inter-token latency the fleet aims for, as ttft_p90_s is read."""
     kv_usage: float | None = Field(None, gt=0, le=1)

@@ -14,12 +14,12 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rayattn.engine.scaling_policy import SIGNALS
+from rayattn.engine.scaling_policy import LATENCY_WINDOW_S, SAMPLES, SIGNALS
 
 log = logging.getLogger("rayattn.engine")
 
 TTFT, ITL, KV = SIGNALS
-WINDOW_S = 10.0
+WINDOW_S = LATENCY_WINDOW_S
 """Latency percentiles cover the last this many seconds, however often Serve asks (every
 couple of seconds with short look-back windows): at a few requests a second, one read's
 worth would be too few to count."""
@@ -27,9 +27,6 @@ BUCKET_S = 1.0
 PER_BUCKET = 512
 """Latencies kept per second of the window: a uniform sample of that second's (reservoir),
 so memory stays bounded however many tokens a busy engine makes, or where nobody asks."""
-MIN_SAMPLES = 10
-"""Fewer latencies than this in the window give no percentile: one slow request is not the
-fleet's p90."""
 
 
 def p90(values: Iterable[float]) -> float | None:
@@ -76,31 +73,34 @@ class WindowedLatency:
             bucket.offer(v)
 
     def _expire(self, now: int) -> None:
+        # Whole seconds: the window holds the last window_s to window_s + 1 seconds.
         oldest = now - int(self.window_s // BUCKET_S)
-        for k in [k for k in self.buckets if k <= oldest]:
+        for k in [k for k in self.buckets if k < oldest]:
             del self.buckets[k]
 
-    def p90(self, min_samples: int = MIN_SAMPLES) -> float | None:
-        """The window's p90, each kept value weighing for the values its second saw; None
-        with fewer than `min_samples` values in the window."""
+    def p90(self) -> tuple[float, int]:
+        """The window's p90, each kept value weighing for the values its second saw, and how
+        many values the window saw (0.0, 0 where none)."""
         self._expire(int(self.clock() // BUCKET_S))
-        if sum(b.seen for b in self.buckets.values()) < min_samples:
-            return None
+        seen = sum(b.seen for b in self.buckets.values())
+        if not seen:
+            return 0.0, 0
         weighted = sorted((v, b.seen / len(b.values)) for b in self.buckets.values()
                           for v in b.values)
         total, acc = sum(w for _, w in weighted), 0.0
         for v, w in weighted:
             acc += w
             if acc >= 0.9 * total - 1e-9:
-                return v
-        return weighted[-1][0]
+                return v, seen
+        return weighted[-1][0], seen
 
 
 class LoadSignals:
     """What the engine reports: KV usage since the last report (an engine that ran no step
-    since then used no KV: 0.0) and the latencies' p90 over the last WINDOW_S seconds (left
-    out with fewer than MIN_SAMPLES requests or tokens behind it: little traffic is no latency
-    pressure)."""
+    since then used no KV: 0.0) and each latency's p90 over the last WINDOW_S seconds with the
+    count of requests or tokens behind it, every time (0.0 and 0 with none): a key left out
+    would have Serve carry its last figure forward, and the policy weighs each engine's p90 by
+    its count."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._kv_sum, self._kv_n = 0.0, 0
@@ -119,9 +119,7 @@ class LoadSignals:
         out = {KV: self._kv_sum / self._kv_n if self._kv_n else 0.0}
         self._kv_sum, self._kv_n = 0.0, 0
         for name, window in self._latency.items():
-            value = window.p90()
-            if value is not None:
-                out[name] = value
+            out[name], out[SAMPLES[name]] = window.p90()
         return out
 
 

@@ -6,12 +6,16 @@ Each target gives a pressure, what the engines report over what the target allow
 target). Above 1 the fleet grows: in proportion to the highest pressure where that is
 requests in flight or KV (they divide over the engines), by at most doubling where it is a
 latency (latency does not divide: an unloaded prefill takes as long on any engine, and
-queueing rises steeply near saturation). Below `hold_band` of every target it shrinks, to as
-many engines as keep the highest pressure at `hold_band` and by at most half per decision, so
-the next decision does not grow it again (no flapping); in between it holds the count Serve
-aims for (replicas still starting included). Serve's controller runs it every tick and
-applies the bounds and the upscale/downscale delays around it. The engines report their
-signals through `record_autoscaling_stats` (rayattn/engine/load_signals.py).
+queueing rises steeply near saturation), and not again until the latency shows the grown
+fleet. Below `hold_band` of every target it shrinks, by at most half per decision, to as many
+engines as keep the highest pressure at `hold_band`: for the signals that divide over the
+engines the next decision then does not grow it back (no flapping); a latency is not assumed
+to divide, and the half step and Serve's downscale delay keep it from bouncing. In between it
+holds the count Serve aims for (replicas still starting included). A latency counts only
+with MIN_SAMPLES behind it over the fleet, each engine's p90 weighted by its samples. Serve's
+controller runs it every tick and applies the bounds and the upscale/downscale delays around
+it. The engines report their signals through `record_autoscaling_stats`
+(rayattn/engine/load_signals.py).
 
 Serve pickles this module by value into its controller: it imports nothing of rayattn."""
 
@@ -27,10 +31,18 @@ if TYPE_CHECKING:
 LATENCIES = ("ttft_p90_s", "itl_p90_s")
 SIGNALS = (*LATENCIES, "kv_usage")
 """The metrics engines report, each named as the target that bounds it."""
+SAMPLES = {"ttft_p90_s": "ttft_samples", "itl_p90_s": "itl_samples"}
+"""Beside each latency, how many requests (TTFT) or tokens (ITL) its window held."""
 ONGOING = "ongoing_requests"
 """The pressure of requests in flight per engine (Serve's own count)."""
 LATENCY_GROWTH = 2.0
 """The most a latency pressure multiplies the fleet by in one decision."""
+MIN_SAMPLES = 10
+"""Fewer latencies than this over the fleet's windows make no signal: one slow request is
+not a p90, and a fleet that grew must not lose its signal by spreading the same traffic."""
+LATENCY_WINDOW_S = 10.0
+"""The engines' latency window (rayattn/engine/load_signals.py WINDOW_S): after a scale-up a
+latency is this plus Serve's look-back old before it shows the larger fleet."""
 
 
 def engines_for(current: int, target: int, pressures: Mapping[str, float],
@@ -46,7 +58,9 @@ def engines_for(current: int, target: int, pressures: Mapping[str, float],
         return max(target, current + 1, math.ceil(current * grow - 1e-9))
     if top >= hold_band:
         return target
-    return max(1, math.ceil(current / 2), math.ceil(current * top / hold_band - 1e-9))
+    # Never above the target either: Serve would count it as a scale-up.
+    return min(target, max(1, math.ceil(current / 2),
+                           math.ceil(current * top / hold_band - 1e-9)))
 
 
 def fleet_signal(per_replica: Mapping[Any, float | None] | None) -> float | None:
@@ -54,6 +68,18 @@ def fleet_signal(per_replica: Mapping[Any, float | None] | None) -> float | None
     reported one (None where none did)."""
     values = [v for v in (per_replica or {}).values() if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def fleet_latency(p90s: Mapping[Any, float] | None, counts: Mapping[Any, float] | None,
+                  min_samples: float = MIN_SAMPLES) -> float | None:
+    """The replicas' p90s weighted by the samples behind each; None with fewer than
+    `min_samples` over the fleet (an idle engine reports a count of 0: it weighs nothing)."""
+    counts = counts or {}
+    pairs = [(v, counts.get(r) or 0.0) for r, v in (p90s or {}).items() if v is not None]
+    total = sum(n for _, n in pairs)
+    if total < min_samples:
+        return None
+    return sum(v * n for v, n in pairs) / total
 
 
 class EnginesForTargets:
@@ -69,7 +95,8 @@ class EnginesForTargets:
         self.hold_band = hold_band
         self.targets = {k: v for k, v in zip(SIGNALS, (ttft_p90_s, itl_p90_s, kv_usage),
                                              strict=True) if v is not None}
-        bad = {k: v for k, v in self.targets.items() if not v > 0}
+        bad = {k: v for k, v in self.targets.items()
+               if not v > 0 or (k == "kv_usage" and v > 1)}
         if bad or not self.targets:
             raise ValueError(f"targets must be > 0, at least one of {SIGNALS}: {bad}")
 
@@ -81,13 +108,21 @@ class EnginesForTargets:
                 ctx.config.get_target_ongoing_requests() * current)
         metrics = ctx.aggregated_metrics or {}
         for name, target in self.targets.items():
-            value = fleet_signal(metrics.get(name))
+            value = (fleet_latency(metrics.get(name), metrics.get(SAMPLES[name]))
+                     if name in SAMPLES else fleet_signal(metrics.get(name)))
             if value is not None:
                 out[name] = value / target
         return out
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         pressures = self.pressures(ctx)
+        settle_s = LATENCY_WINDOW_S + ctx.config.look_back_period_s
+        if ctx.last_scale_up_time is not None and \
+                ctx.current_time - ctx.last_scale_up_time < settle_s:
+            # A latency still from before the last scale-up may hold the fleet, not grow it
+            # again (it would double on its own stale figure).
+            pressures = {k: min(v, 1.0) if k in LATENCIES else v
+                         for k, v in pressures.items()}
         # Serve keeps the returned state with the deployment: the last decision's reasons.
         return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,
                             self.hold_band),

@@ -13,14 +13,15 @@ from pydantic import ValidationError
 
 from rayattn.config.schema import SCALING_POLICY, SCALING_TARGETS, EngineAutoscaling
 from rayattn.engine import scaling_policy
-from rayattn.engine.load_signals import (
+from rayattn.engine.load_signals import WINDOW_S, LoadSignals, WindowedLatency, p90
+from rayattn.engine.scaling_policy import (
     MIN_SAMPLES,
-    WINDOW_S,
-    LoadSignals,
-    WindowedLatency,
-    p90,
+    ONGOING,
+    SIGNALS,
+    EnginesForTargets,
+    engines_for,
+    fleet_latency,
 )
-from rayattn.engine.scaling_policy import ONGOING, SIGNALS, EnginesForTargets, engines_for
 
 
 def test_engines_follow_the_most_pressed_target_with_a_hold_band():
@@ -47,6 +48,12 @@ def test_a_latency_grows_the_fleet_at_most_twofold_at_once():
     assert engines_for(2, 2, {"ttft_p90_s": 5.0, ONGOING: 0.1}, 0.6) == 4
     assert engines_for(2, 2, {"itl_p90_s": 1.2}, 0.6) == 3
     assert engines_for(2, 2, {"kv_usage": 5.0}, 0.6) == 10
+
+
+def test_a_shrink_never_lands_above_the_target():
+    """Five running while Serve aims for two (a surge, a lowered maximum): an answer above
+    two would count as a scale-up in Serve's delays."""
+    assert engines_for(5, 2, {ONGOING: 0.0}, 0.6) == 2
 
 
 def test_replicas_still_starting_or_gone_keep_the_count_serve_aims_for():
@@ -85,13 +92,17 @@ def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.
 def test_pressures_are_the_fleets_signals_over_their_targets():
     policy = EnginesForTargets(ttft_p90_s=0.5, kv_usage=0.8)
     got = policy.pressures(_ctx({"ttft_p90_s": {"r0": 0.4, "r1": 0.8},
+                                 "ttft_samples": {"r0": 10, "r1": 10},
                                  "kv_usage": {"r0": 0.2, "r1": 0.0},
-                                 "itl_p90_s": {"r0": 9.0}}, current=2, ongoing=6))
-    # ttft: mean 0.6 of 0.5; kv: mean 0.1 of 0.8; requests: 6 over 2 engines × 2; the ITL
-    # reported has no target here and is no signal.
+                                 "itl_p90_s": {"r0": 9.0}, "itl_samples": {"r0": 99}},
+                                current=2, ongoing=6))
+    # ttft: 0.6 of 0.5 (equal samples); kv: mean 0.1 of 0.8; requests: 6 over 2 engines × 2;
+    # the ITL reported has no target here and is no signal.
     assert got == pytest.approx({"ttft_p90_s": 1.2, "kv_usage": 0.125, ONGOING: 1.5})
-    # A latency nobody reported (no traffic) is left out, not read as 0.
-    assert "ttft_p90_s" not in policy.pressures(_ctx({"kv_usage": {"r0": 0.1}}, current=1))
+    # A latency with (almost) no traffic behind it is left out, not read as 0.
+    assert "ttft_p90_s" not in policy.pressures(_ctx(
+        {"kv_usage": {"r0": 0.1}, "ttft_p90_s": {"r0": 9.0}, "ttft_samples": {"r0": 2}},
+        current=1))
 
 
 def test_serve_runs_the_policy_within_its_delays():
@@ -124,23 +135,32 @@ def test_the_policy_module_imports_nothing_of_rayattn():
 def test_an_engine_reports_its_kv_usage_and_the_windows_latency_percentiles():
     now = [100.0]
     s = LoadSignals(clock=lambda: now[0])
-    assert s.read() == {"kv_usage": 0.0}  # no step, no request: no KV used, no latency
+    idle = {"kv_usage": 0.0, "ttft_p90_s": 0.0, "ttft_samples": 0, "itl_p90_s": 0.0,
+            "itl_samples": 0}
+    assert s.read() == idle  # no step, no request: no KV used, no latency, every key
     s.record(0.2, [0.1] * 8 + [0.3, 0.5], [0.01] * 9 + [0.05])
     s.record(0.4, [], [0.02])
     s.record(None, [0.2], [])  # an output without scheduler stats
     got = s.read()
-    assert got["kv_usage"] == pytest.approx(0.3)
-    assert got["ttft_p90_s"] == 0.3 and got["itl_p90_s"] == 0.02
+    assert got == {"kv_usage": pytest.approx(0.3), "ttft_p90_s": 0.3, "ttft_samples": 11,
+                   "itl_p90_s": 0.02, "itl_samples": 11}
     # KV usage covers the time since the last report; latencies the last WINDOW_S seconds,
     # however often Serve asks.
     now[0] += 1
-    assert s.read() == {"kv_usage": 0.0, "ttft_p90_s": 0.3, "itl_p90_s": 0.02}
+    assert s.read() == {**got, "kv_usage": 0.0}
     now[0] += WINDOW_S + 1
-    assert s.read() == {"kv_usage": 0.0}
-    # A few requests make no percentile (one slow request is not the fleet's p90).
-    s.record(0.1, [9.0] * (MIN_SAMPLES - 1), [])
-    assert "ttft_p90_s" not in s.read()
+    assert s.read() == idle
     assert p90(range(1, 11)) == 9 and p90([]) is None
+
+
+def test_a_latency_counts_with_enough_samples_over_the_fleet_weighted_by_them():
+    """One engine's few requests are no p90, but the fleet's are: a fleet that grew keeps
+    its signal though each engine sees fewer requests; an idle engine weighs nothing."""
+    assert fleet_latency({"a": 2.0}, {"a": MIN_SAMPLES - 1}) is None
+    assert fleet_latency({"a": 2.0, "b": 1.0}, {"a": 6, "b": 6}) == 1.5
+    assert fleet_latency({"a": 2.0, "b": 0.0}, {"a": 30, "b": 0}) == 2.0
+    assert fleet_latency({"a": 3.0, "b": 1.0}, {"a": 10, "b": 30}) == 1.5
+    assert fleet_latency(None, None) is None
 
 
 def test_the_latency_sample_stays_bounded_and_weighs_each_second_by_its_traffic():
@@ -152,10 +172,12 @@ def test_the_latency_sample_stays_bounded_and_weighs_each_second_by_its_traffic(
     now[0] += 1
     w.offer([0.1] * 1_000)                   # a quiet second of fast ones
     assert sum(len(b.values) for b in w.buckets.values()) == 200
-    assert w.p90() == 1.0                    # 10,000 of 11,000 were slow
+    assert w.p90() == (1.0, 11_000)          # 10,000 of 11,000 were slow
     now[0] += 1
     w.offer([0.1] * 100_000)
-    assert w.p90() == 0.1                    # now 101,000 of 111,000 are fast
+    assert w.p90() == (0.1, 111_000)         # now 101,000 of 111,000 are fast
+    now[0] += WINDOW_S + 2
+    assert w.p90() == (0.0, 0) and not w.buckets
 
 
 def test_targets_go_to_serve_as_rayattns_policy_and_come_back_from_a_serve_config():
@@ -196,4 +218,10 @@ def test_serve_loads_the_policy_it_is_given_by_value_with_its_targets():
     policy = _resolve_policy_callable(cfg.policy)
     assert policy.targets == {"itl_p90_s": 0.05} and policy.hold_band == 0.6
     # Inter-token p90 twice the target on the one engine: a second.
-    assert policy(_ctx({"itl_p90_s": {"r0": 0.1}}, current=1))[0] == 2
+    assert policy(_ctx({"itl_p90_s": {"r0": 0.1}, "itl_samples": {"r0": 50}},
+                       current=1))[0] == 2
+    # ...but not again while that latency is from before the last scale-up.
+    ctx = _ctx({"itl_p90_s": {"r0": 0.1, "r1": 0.1}, "itl_samples": {"r0": 50, "r1": 50}},
+               current=2)
+    ctx.last_scale_up_time = ctx.current_time - 5
+    assert policy(ctx)[0] == 2
