@@ -6,6 +6,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[2] / "rayattn"
 
 # Lowest first: a module may import its own layer's packages and lower layers' only.
@@ -99,3 +101,12 @@ def test_the_routers_rooms_import_downwards_only():
               for m in _imports(p) if (target := _room(m)) in ROOM
               and ROOM[target] > ROOM[room]]
     assert upward == []
+
+
+# Serve pickles these by value into its controller, which may not have rayattn.
+PICKLED_BY_VALUE = ["server/router_scaling.py", "engine/scaling_policy.py"]
+
+
+@pytest.mark.parametrize("module", PICKLED_BY_VALUE)
+def test_a_policy_serve_pickles_imports_nothing_of_rayattn(module):
+    assert not [m for m in _imports(PACKAGE / module) if m.startswith("rayattn")]
