@@ -43,10 +43,13 @@ def _ray_running() -> list[int]:
 
 
 def _ours(since: float) -> list[int]:
-    """Processes of Ray, its HAProxy, vLLM and rayattn started since `since`."""
+    """Processes of Ray, its HAProxy, vLLM and rayattn started since `since`, but for this
+    session's own (the unit tests beside it, tests/beside.py, whose command line names
+    tests of those): what `rayattn serve` left is no longer a descendant of this process."""
+    session = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
     out = []
     for p in psutil.process_iter(["pid", "name", "cmdline", "create_time", "status"]):
-        if p.info["pid"] == os.getpid() or p.info["create_time"] < since - 1:
+        if p.info["pid"] in session or p.info["create_time"] < since - 1:
             continue
         if p.info["status"] == psutil.STATUS_ZOMBIE:
             continue
