@@ -3,7 +3,7 @@ one invocation: Serve's own (requests in flight per engine) and rayattn's (a TTF
 and KV usage; rayattn/engine/scaling_policy.py).
 
     .venv/bin/python bench/autoscale_ramp.py [--policies ongoing:16,ongoing:2,ttft:1.0]
-        [--engines 1,3] [--quiet 4] [--peak 16] [--phases-s 60,120,90] [--think-s 2]
+        [--engines 1,3] [--quiet 6] [--peak 24] [--phases-s 60,120,90] [--think-s 2]
         [--runs 1] [--out bench/results/autoscale_ramp.json] [--plot docs/img/ramp.png]
 
 Ray and Serve start here with deployments/local.yaml's app, its engines simulated (their step
@@ -244,8 +244,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="ongoing:16,ongoing:2,ttft:1.5")
     ap.add_argument("--engines", default="1,3", help="min,max engine replicas")
-    ap.add_argument("--quiet", type=int, default=4)
-    ap.add_argument("--peak", type=int, default=16)
+    ap.add_argument("--quiet", type=int, default=6)
+    ap.add_argument("--peak", type=int, default=24)
     ap.add_argument("--phases-s", default="60,120,90")
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--turns", type=int, default=6)
