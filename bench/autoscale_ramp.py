@@ -165,8 +165,9 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
 
 
 def p90(xs: list[float]) -> float | None:
-    xs = sorted(xs)
-    return xs[max(0, int(0.9 * len(xs) + 0.999) - 1)] if xs else None
+    from rayattn.bench.stats import percentile
+
+    return percentile(sorted(xs), 0.9) if xs else None
 
 
 def _r3(x: float | None) -> float | None:

@@ -8,7 +8,6 @@ sends)."""
 from __future__ import annotations
 
 import logging
-import math
 import random
 import time
 from collections.abc import Callable, Iterable
@@ -27,13 +26,6 @@ BUCKET_S = 1.0
 PER_BUCKET = 512
 """Latencies kept per second of the window: a uniform sample of that second's (reservoir),
 so memory stays bounded however many tokens a busy engine makes, or where nobody asks."""
-
-
-def p90(values: Iterable[float]) -> float | None:
-    ordered = sorted(values)
-    if not ordered:
-        return None
-    return ordered[max(0, math.ceil(0.9 * len(ordered)) - 1)]
 
 
 class Reservoir:
