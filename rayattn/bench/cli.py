@@ -412,10 +412,13 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
         for run in range(runs):
             for pol in policies:
                 prepare(pol)
+                held = _kv_held(url)
                 res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
                                                      rate=rate, progress=True,
                                                      think_s=think_s))
                 s = score(res, wall, wl, tokenizer, block_size)
+                if held is not None:
+                    s["kv_held"] = (_kv_held(url) or 0) - held
                 per[pol].append(s)
                 raw.setdefault(f"{wname}/{label} {pol}", []).extend(
                     {**r, "run": run} for r in results_json(res))
@@ -424,8 +427,8 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                       f"ttft p50={s['ttft_p50_s']:.3f} p90={s['ttft_p90_s']:.3f} "
                       f"later p50={s['later_ttft_p50_s']:.3f} p90={s['later_ttft_p90_s']:.3f} "
                       f"ok={s['ok']}/{s['requests']} "
-                      f"moves={s['moves']} regret={s['regret_tokens']}",  # None: a peer
-                      flush=True)
+                      f"moves={s['moves']} regret={s['regret_tokens']}"  # None: a peer
+                      + (f" held={s['kv_held']}" if "kv_held" in s else ""), flush=True)
         for pol, ss in per.items():
             row = dict(ss[len(ss) // 2])  # one run's details; the figures below are medians
             for k in ("hit_rate", "hit_vs_block_oracle", "wall_s", "ttft_p50_s", "ttft_p90_s",
@@ -435,6 +438,17 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                 row[f"{k}_range"] = [min(vals), max(vals)]
             row["runs"] = len(ss)
             table.setdefault(wname, {})[f"{label} {pol}"] = row
+
+
+def _kv_held(url: str) -> int | None:
+    """Requests the router has held for KV room so far (cache-pressure admission; one
+    router's count), None where the stack is not rayattn."""
+    import httpx
+
+    try:
+        return int(httpx.get(f"{url}/health", timeout=10).json()["counts"]["kv_held"])
+    except (httpx.HTTPError, ValueError, KeyError, TypeError):
+        return None
 
 
 def add_ratios(table: dict, peer_labels: tuple[str, ...] = ("vllm-router",)) -> None:

@@ -45,7 +45,7 @@ def new_kv_budget(settings: RoutingSettings, clock: Callable[[], float],
     running requests, host tiers) of `members_of`: a cold start empties the engines' caches,
     not their membership or the requests they run."""
     kv = KVBudget(settings.conversation_idle_s, settings.kv_admission_fill, clock,
-                  settings.kv_admission_protect)
+                  settings.kv_admission_protect, climbs=settings.kv_admission == "auto")
     if members_of is not None:
         kv.capacity, kv.running = members_of.capacity, members_of.running
         kv.host_tier = members_of.host_tier

@@ -70,7 +70,7 @@ class RoutingCore:
         self.adapters = AdapterResidency(adapter_slots, adapters_cached) \
             if self.adapter_paths else AdapterResidency()
         self._clock = clock
-        self.load = LoadTracker(origin)
+        self.load = LoadTracker(origin, clock)
         self._policies = PolicyBuilder(self.load, self.adapters, seed)
         self.routable: dict[str, int] = {}
         """The replicas this core routes to (joined and not left), with their KV capacity in
@@ -212,7 +212,9 @@ class RoutingCore:
 
     def kv_room(self, route: RouteRequest, candidates: list[str]) -> list[str]:
         """The candidates that can take `route` now without pushing a live conversation's
-        history out of their KV cache (routing/kv_budget.py)."""
+        history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
+        router replicas, so each budgets its share of every engine's cache."""
+        self.kv.share = 1.0 / self.load.routers()
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens)
 
     # --- settings -----------------------------------------------------------------------
@@ -229,6 +231,7 @@ class RoutingCore:
             self.index.overlay.ttl_s = new.speculative_ttl_s  # for blocks sent from now on
         self.kv.idle_s, self.kv.fill = new.conversation_idle_s, new.kv_admission_fill
         self.kv.protect = new.kv_admission_protect
+        self.kv.climbs = new.kv_admission == "auto"
         if index_changed or old.policy != new.policy or \
                 old.params(new.policy) != new.params(new.policy):
             self.policy = self._policies.build(new.policy, new, self.index, self.block_size)

@@ -41,6 +41,19 @@ engines' KV events (`events`) can tell; the `predicted` index learns nothing. Ea
 learns from its own conversations; an engine whose cache is emptied (a restart, a reset)
 reads as losses for the conversations that come back to it.
 
+By default (router.kv_admission: auto) the ceiling is where an engine's fill starts, not
+where it stops: while its live conversations come back to find their histories kept, the
+fill climbs on past the ceiling, up to the whole cache, so a fleet whose histories fit holds
+nothing back for long; one history lost brings the fill back under the ceiling at once.
+`true` keeps the ceiling as a cap. The start is cautious because the first wave of
+conversations is admitted before any of them comes back to say what growth did (the
+benchmark's 16 or 128 conversations start at once).
+
+A conversation is live for `idle_s` after its last turn; unset (the default), for twice the
+90th percentile of the pauses the router has seen between a conversation's turns (its
+clients' think time, learned), within [IDLE_MIN_S, IDLE_MAX_S]: a history is protected as
+long as its next turn is likely still to come, not a fixed guess longer.
+
 Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
 wakes them, continuing conversations first, when load is released.
 """
@@ -48,7 +61,7 @@ wakes them, continuing conversations first, when load is released.
 from __future__ import annotations
 
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -59,6 +72,18 @@ HBM_FILL = 0.7
 """The ceiling (router.kv_admission_fill unset) on an engine without a host tier."""
 HOST_TIER_FILL = 0.95
 """...and on one with a host tier, where a history pushed out of HBM is reloaded."""
+
+IDLE_DEFAULT_S = 5.0
+"""How long a quiet conversation stays live (router.conversation_idle_s unset) until enough
+pauses have been seen to learn it."""
+IDLE_MIN_S, IDLE_MAX_S = 1.0, 60.0
+"""The bounds of the learned live window: a pause shorter than a second is a client's
+round trip, and a history protected for over a minute holds newcomers back for a guess."""
+IDLE_FACTOR = 2.0
+"""The learned window is this many times the 90th percentile pause: most next turns come
+well inside it, a conversation that ended stops holding room soon after."""
+GAPS_KEPT, GAPS_TO_LEARN = 256, 16
+"""Pauses kept (the newest), and how many are needed before the window is learned."""
 
 FILL_BACKOFF = 0.9
 """An engine's fill is multiplied by this when a live history was lost there."""
@@ -84,9 +109,17 @@ class _Conversation:
 
 
 class KVBudget:
-    def __init__(self, idle_s: float, fill: float | None = None,
-                 clock: Callable[[], float] = time.monotonic, protect: str = "auto") -> None:
+    def __init__(self, idle_s: float | None = None, fill: float | None = None,
+                 clock: Callable[[], float] = time.monotonic, protect: str = "auto",
+                 climbs: bool = False) -> None:
+        """`climbs`: router.kv_admission auto (see the module doc)."""
         self.idle_s, self._clock = idle_s, clock
+        """router.conversation_idle_s (None: learned, see window_s)."""
+        self.climbs = climbs
+        self.share = 1.0
+        """The share of every engine's cache this router budgets: 1 / the router replicas
+        sending to the engines (the front door spreads sessions evenly over them; each sees
+        only its own conversations and requests)."""
         self.fill = fill
         """router.kv_admission_fill: the ceiling of every engine's fill (None: by its tier,
         see ceiling())."""
@@ -107,6 +140,12 @@ class KVBudget:
         so a new ceiling applies at once)."""
         self._live: OrderedDict[str, _Conversation] = OrderedDict()
         """By last activity, oldest first."""
+        self._gone: OrderedDict[str, float] = OrderedDict()
+        """Conversations no longer live, by when they were last seen (the newest
+        GAPS_KEPT × 16): a turn that comes back after the window still teaches it."""
+        self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
+        self._new_gaps = 0
+        self._window_s = IDLE_DEFAULT_S
 
     # --- membership ---------------------------------------------------------------------
     def joined(self, replica: str, capacity_tokens: int, host_tier: bool = False) -> None:
@@ -136,12 +175,43 @@ class KVBudget:
 
     def fill_of(self, replica: str) -> float:
         """The fraction of `replica`'s KV cache admission admits up to now."""
-        top = self.ceiling(replica)
-        return max(min(FILL_FLOOR, top), top * self._backoff.get(replica, 1.0))
+        top, share = self.ceiling(replica), self._backoff.get(replica, 1.0)
+        if not (self.climbs and self.fill is None):
+            share = min(share, 1.0)  # a cap again (switched live from auto)
+        return max(min(FILL_FLOOR, top), top * share)
+
+    @property
+    def window_s(self) -> float:
+        """How long after its last turn a conversation stays live."""
+        return self.idle_s if self.idle_s is not None else self._window_s
 
     def is_live(self, session: str | None) -> bool:
         self._expire()
         return session is not None and session in self._live
+
+    def arrived(self, session: str | None) -> bool:
+        """A turn of `session` arrives (once per request): learns the pause since the
+        conversation's last turn; returns whether it is live."""
+        self._expire()
+        if session is None:
+            return False
+        conv = self._live.get(session)
+        last = conv.last_seen if conv is not None and not conv.running \
+            else self._gone.pop(session, None)
+        if last is not None and self.idle_s is None:
+            self._learn_gap(self._clock() - last)
+        return conv is not None
+
+    def _learn_gap(self, gap: float) -> None:
+        if gap > IDLE_MAX_S:
+            return  # a conversation resumed, not a pause within one
+        self._gaps.append(gap)
+        self._new_gaps += 1
+        if len(self._gaps) >= GAPS_TO_LEARN and self._new_gaps >= GAPS_TO_LEARN // 2:
+            self._new_gaps = 0
+            ordered = sorted(self._gaps)
+            p90 = ordered[min(len(ordered) - 1, int(0.9 * len(ordered)))]
+            self._window_s = min(IDLE_MAX_S, max(IDLE_MIN_S, IDLE_FACTOR * p90))
 
     def adds(self, replica: str, session: str | None, prompt_tokens: int,
              max_tokens: int) -> int:
@@ -184,7 +254,7 @@ class KVBudget:
             # histories are what admission protects from newcomers, not from each
             # other.
             protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
-        return self.running[r] + protected + need <= self.fill_of(r) * cap
+        return self.running[r] + protected + need <= self.fill_of(r) * cap * self.share
 
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":
@@ -230,9 +300,11 @@ class KVBudget:
         top = self.ceiling(replica)
         share = self._backoff.get(replica, 1.0)
         if kept:
-            share = min(1.0, share + FILL_RECOVERY / top)
+            # auto, unset fill: past the ceiling up to the whole cache while kept.
+            most = 1.0 / top if self.climbs and self.fill is None else 1.0
+            share = min(most, share + FILL_RECOVERY / top)
         else:
-            share = max(min(1.0, FILL_FLOOR / top), share * FILL_BACKOFF)
+            share = max(min(1.0, FILL_FLOOR / top), min(share, 1.0) * FILL_BACKOFF)
         self._backoff[replica] = share
 
     def finished(self, replica: str, session: str | None, context_tokens: int) -> None:
@@ -255,7 +327,7 @@ class KVBudget:
             self._live.move_to_end(session)
 
     def _expire(self) -> None:
-        cutoff = self._clock() - self.idle_s
+        cutoff = self._clock() - self.window_s
         for s in list(self._live):
             conv = self._live[s]
             if conv.last_seen > cutoff:
@@ -264,6 +336,10 @@ class KVBudget:
                 continue
             del self._live[s]
             self.reserved[conv.replica] -= conv.tokens
+            if self.idle_s is None:
+                self._gone[s] = conv.last_seen
+                if len(self._gone) > GAPS_KEPT * 16:
+                    self._gone.popitem(last=False)
 
 
 def _held(conv: _Conversation | None, replica: str) -> int:

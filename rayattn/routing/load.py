@@ -18,12 +18,17 @@ phantom load fired the bounded-load guard and moved conversations off their cach
 
 from __future__ import annotations
 
+import time
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+
+ROUTER_MEMORY_S = 60.0
+"""How long another router counts as sending to these engines after a report last showed
+one of its requests."""
 
 
 class LoadTracker:
-    def __init__(self, origin: str = "") -> None:
+    def __init__(self, origin: str = "", clock: Callable[[], float] = time.monotonic) -> None:
         self.origin = origin
         """This router's name in the engines' per-origin counts."""
         self.local: dict[str, int] = defaultdict(int)
@@ -43,6 +48,9 @@ class LoadTracker:
         """How many requests each replica's engine runs in one batch (vLLM's max_num_seqs):
         below that a new request joins the running batch instead of queueing."""
         self.inflight = _Inflight(self)
+        self._clock = clock
+        self._senders: dict[str, float] = {}
+        """Other routers seen with requests in the engines' reports, and when last."""
 
     def reported(self, replica: str, by_origin: Mapping[str, int],
                  stamp: tuple[int, int] | None = None) -> None:
@@ -54,6 +62,18 @@ class LoadTracker:
                 return
             self._stamps[replica] = stamp
         self.others[replica] = sum(n for o, n in by_origin.items() if o != self.origin)
+        now = None
+        for o, n in by_origin.items():
+            if n and o != self.origin:
+                self._senders[o] = now = now or self._clock()
+
+    def routers(self) -> int:
+        """Router replicas sending requests to these engines, this one included: the other
+        origins the engines reported requests of within ROUTER_MEMORY_S."""
+        cutoff = self._clock() - ROUTER_MEMORY_S
+        for o in [o for o, t in self._senders.items() if t < cutoff]:
+            del self._senders[o]
+        return 1 + len(self._senders)
 
     def acquire(self, replica: str, prefill_tokens: int) -> None:
         """One request of this router sent to `replica`, `prefill_tokens` of it uncached;

@@ -47,7 +47,7 @@ class CoreFields(BaseModel):
     blocks; `round_robin`; `power_of_two`: least in-flight of two random; for comparison,
     `sticky`: vllm-router's sticky_least_loaded, and `ray_prefix`: a text prefix tree like
     Ray Serve LLM's PrefixCacheAffinityRouter)."""
-    kv_admission: bool = False
+    kv_admission: bool | Literal["auto"] = "auto"
     """Cache-pressure-aware admission: a request waits in the router while its engine's
     running requests plus the histories of its live conversations (by `session_header`)
     would overflow the engine's KV cache, continuing conversations before new ones, so a
@@ -55,11 +55,19 @@ class CoreFields(BaseModel):
     (routing/kv_budget.py). Without a host KV tier, LRU eviction otherwise makes every
     turn a full prefill once the live histories outgrow HBM. With one (engine.kv_offload),
     quiet histories survive in host memory: only the histories of turns in flight are
-    protected, and admission mostly runs continuing turns first."""
-    conversation_idle_s: float = Field(5.0, gt=0)
+    protected, and admission mostly runs continuing turns first. `auto`: each engine starts
+    at `kv_admission_fill`'s ceiling (the first conversations are admitted before any comes
+    back to show how its history grew) and, while its live conversations come back to find
+    their histories kept (the engine's own KV events say), climbs past it up to the whole
+    cache; a lost history brings it back under the ceiling. `true`: the ceiling is a cap.
+    `false`: every request goes straight to its engine. Each router replica budgets its
+    share of every engine's cache."""
+    conversation_idle_s: float | None = Field(None, gt=0)
     """`kv_admission`: how long after its last turn a conversation still counts as live
-    (its history kept free of eviction). About the clients' think time; longer protects
-    slower conversations and holds new ones back longer."""
+    (its history kept free of eviction). None: twice the 90th percentile of the pauses
+    seen between conversations' turns (the clients' think time, learned; 5 s until 16 are
+    seen), within 1–60 s. Longer protects slower conversations and holds new ones back
+    longer."""
     kv_admission_fill: float | None = Field(None, gt=0, le=1)
     """`kv_admission`: the most of each engine's KV cache that running requests and
     protected histories may fill (the rest is headroom for what the router cannot see:

@@ -209,9 +209,10 @@ def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset
 
 
 def test_cache_pressure_admission_holds_requests_in_the_router(server, reset):
-    """router.kv_admission on, live, with the engines' KV cache made tiny for admission
-    (kv_admission_fill): each engine runs one request at a time, the others wait in the
-    router (counted in /health) and are all served; off again, nothing is held."""
+    """router.kv_admission as shipped (auto), live, with the engines' KV cache made tiny for
+    admission (kv_admission_fill): each engine runs one request at a time, the others wait
+    in the router (counted in /health) and are all served. Switched off, or with the
+    engines' real caches (the same burst fits them), nothing is held."""
     async def burst(tag: str) -> list[int]:
         async with httpx.AsyncClient(timeout=120) as c:
             rs = await asyncio.gather(*(c.post(
@@ -221,24 +222,25 @@ def test_cache_pressure_admission_holds_requests_in_the_router(server, reset):
                 for i in range(6)))
         return [r.status_code for r in rs]
 
-    reset("affinity")
-    on = {"kv_admission": True, "kv_admission_fill": 1e-6, "conversation_idle_s": 0.5}
-    try:
-        r = httpx.post(f"{server}/admin/reset", json={"settings": on}, timeout=60)
-        assert r.status_code == 200, r.text
-        before = health(server)["counts"]
-        assert asyncio.run(burst("on")) == [200] * 6
-        held = health(server)["counts"]["kv_held"] - before["kv_held"]
-        assert held >= 4, held  # six at once, two engines, one running on each
-        off = {k: router_default(k) for k in on}
-        r = httpx.post(f"{server}/admin/reset", json={"settings": off}, timeout=60)
+    def held_in(tag: str, settings: dict) -> int:
+        r = httpx.post(f"{server}/admin/reset", json={"settings": settings}, timeout=60)
         assert r.status_code == 200, r.text
         before = health(server)["counts"]["kv_held"]
-        assert asyncio.run(burst("off")) == [200] * 6
-        assert health(server)["counts"]["kv_held"] == before
+        assert asyncio.run(burst(tag)) == [200] * 6
+        return health(server)["counts"]["kv_held"] - before
+
+    reset("affinity")
+    names = ("kv_admission", "kv_admission_fill", "conversation_idle_s")
+    shipped = {k: router_default(k) for k in names}
+    assert shipped["kv_admission"] == "auto"
+    tiny = {**shipped, "kv_admission_fill": 1e-6, "conversation_idle_s": 0.5}
+    try:
+        held = held_in("on", tiny)
+        assert held >= 4, held  # six at once, two engines, one running on each
+        assert held_in("off", {**tiny, "kv_admission": False}) == 0
+        assert held_in("fits", shipped) == 0
     finally:
-        httpx.post(f"{server}/admin/reset", json={"settings": {
-            k: router_default(k) for k in on}}, timeout=60)
+        httpx.post(f"{server}/admin/reset", json={"settings": shipped}, timeout=60)
 
 
 def router_default(name: str) -> object:

@@ -106,7 +106,10 @@ class Candidates:
         here, woken as requests end, continuing conversations first and in arrival order
         within each class. The request's own timeout (router.request_timeout_s) bounds the
         wait."""
-        prio = 0 if self.core.kv.is_live(route.session) else 1
+        # The first attempt's arrival teaches the budget the conversation's pause.
+        kv = self.core.kv
+        prio = 0 if (kv.is_live(route.session) if tried else kv.arrived(route.session)) \
+            else 1
         t0, seq = time.monotonic(), next(self._kv_seq)
         loop = asyncio.get_running_loop()
         try:

@@ -307,3 +307,107 @@ def test_a_cold_start_forgets_the_back_off_and_a_new_ceiling_applies_live():
     # After a reset the engines are empty: what was lost before says nothing now.
     core.reset()
     assert core.kv.fill_of("e0") == 0.7
+
+
+def test_auto_climbs_past_the_ceiling_while_histories_are_kept():
+    """router.kv_admission auto: an engine's fill starts at the tier's ceiling and, while
+    live conversations come back to find their histories kept, climbs to the whole cache;
+    one loss brings it back under the ceiling at once. `true` keeps the ceiling a cap."""
+    from rayattn.routing.kv_budget import FILL_BACKOFF, HBM_FILL
+
+    def live_engine(kv: KVBudget) -> None:
+        kv.joined("e0", 10_000)
+        for s in ("a", "b"):
+            h = kv.dispatched("e0", s, 3_000, 100)
+            kv.finished("e0", s, 3_100)
+            kv.ended("e0", s, h)
+        kv.dispatched("e0", None, 100, 100)  # something runs: the budget applies
+
+    def back_home(kv: KVBudget, kept: bool) -> None:
+        h = kv.dispatched("e0", "a", 3_500, 100, (3_100, 3_100 if kept else 0))
+        kv.finished("e0", "a", 3_100)
+        kv.ended("e0", "a", h)
+
+    on, auto = KVBudget(idle_s=5.0), KVBudget(idle_s=5.0, climbs=True)
+    for kv in (on, auto):
+        live_engine(kv)
+        # 6,200 live + 200 running + 2,100 new: over 0.7 of the cache, within all of it.
+        assert kv.fill_of("e0") == HBM_FILL and kv.room(["e0"], "new", 2_000, 100) == []
+        for _ in range(300):
+            back_home(kv, kept=True)
+    assert on.fill_of("e0") == HBM_FILL and on.room(["e0"], "new", 2_000, 100) == []
+    assert auto.fill_of("e0") == 1.0 and auto.room(["e0"], "new", 2_000, 100) == ["e0"]
+    # ...but not where the live histories would not fit at all.
+    assert auto.room(["e0"], "new", 4_000, 100) == []
+    back_home(auto, kept=False)
+    assert auto.fill_of("e0") == HBM_FILL * FILL_BACKOFF
+    # An explicit fill is a cap in every mode; so is the ceiling after a switch to `true`.
+    for _ in range(300):
+        back_home(auto, kept=True)
+    auto.fill = 0.8
+    assert auto.fill_of("e0") == 0.8
+    auto.fill, auto.climbs = None, False
+    assert auto.fill_of("e0") == HBM_FILL
+
+
+def test_the_default_is_auto_admission_with_a_learned_window():
+    core = RoutingCore(RouterConfig().routing_settings(), 16)
+    assert core.settings.kv_admission == "auto" and core.kv.climbs
+    assert core.settings.conversation_idle_s is None and core.kv.idle_s is None
+    core.reconfigure(core.settings.replace(kv_admission=True))
+    assert not core.kv.climbs
+    assert RouterConfig(kv_admission="false").kv_admission is False
+
+
+def test_the_live_window_is_learned_from_the_pauses_between_turns():
+    """Unset conversation_idle_s: a conversation stays live for twice the 90th percentile
+    pause seen between turns, within 1–60 s, including pauses longer than the window (a
+    conversation that comes back after it expired still teaches)."""
+    from rayattn.routing.kv_budget import IDLE_DEFAULT_S, IDLE_MAX_S, IDLE_MIN_S
+
+    now = [0.0]
+    kv = KVBudget(clock=lambda: now[0])
+    kv.joined("e0", 100_000)
+
+    def turns(sessions: int, pause: float) -> None:
+        for i in range(sessions):
+            s = f"p{pause}-{i}"
+            for _ in range(3):
+                kv.arrived(s)
+                h = kv.dispatched("e0", s, 1_000, 10)
+                kv.finished("e0", s, 1_010)
+                kv.ended("e0", s, h)
+                now[0] += pause
+
+    assert kv.window_s == IDLE_DEFAULT_S
+    turns(12, 0.3)  # 24 pauses of 0.3 s
+    assert kv.window_s == IDLE_MIN_S
+    turns(40, 8.0)  # longer than the window: each conversation expired between turns
+    assert kv.window_s == 16.0
+    assert kv.is_live("p8.0-39") and not kv.is_live("p0.3-0")
+    turns(40, IDLE_MAX_S + 30)  # resumed conversations, not pauses: not learned
+    assert kv.window_s == 16.0
+    assert KVBudget(idle_s=3.0).window_s == 3.0  # set: not learned
+
+
+def test_each_router_replica_budgets_its_share_of_every_engine_cache():
+    """The front door spreads sessions over the router replicas and each sees only its own
+    conversations: each budgets the cache divided by the routers the engines report
+    requests from (in the last minute)."""
+    from rayattn.routing.load import ROUTER_MEMORY_S
+
+    now = [0.0]
+    core = RoutingCore(RouterConfig(kv_admission=True, kv_admission_fill=1.0,
+                                    index="predicted").routing_settings(), 16, origin="r0",
+                       clock=lambda: now[0])
+    core.joined("e0", 16, 500)  # 8,000 tokens
+    blocker = core.request(list(range(90_000, 90_100)))
+    core.dispatched(core.choose(blocker, ["e0"]), blocker)  # something runs
+    route = core.request(list(range(4_000)), session="s")
+    route.max_tokens = 100
+    assert core.kv_room(route, ["e0"]) == ["e0"]
+    core.reported("e0", {"r0": 1, "r1": 2, "r2": 0})  # r2 has nothing there
+    assert core.load.routers() == 2
+    assert core.kv_room(route, ["e0"]) == []  # 4,100 + what runs > 8,000 / 2
+    now[0] = ROUTER_MEMORY_S + 1
+    assert core.load.routers() == 1 and core.kv_room(route, ["e0"]) == ["e0"]

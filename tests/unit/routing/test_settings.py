@@ -87,7 +87,7 @@ def test_replace_is_a_new_validated_object():
     s = RouterConfig().routing_settings()
     t = s.replace(kv_admission=True, policy="sticky")
     assert (t.kv_admission, t.policy) == (True, "sticky")
-    assert (s.kv_admission, s.policy) == (False, "affinity")  # the old one unchanged
+    assert (s.kv_admission, s.policy) == ("auto", "affinity")  # the old one unchanged
     assert t.affinity is s.affinity
     with pytest.raises(ValueError, match="affinity, round_robin"):
         s.replace(policy="nope")
@@ -146,8 +146,9 @@ def test_policies_without_parameters_read_none():
 def test_the_core_holds_a_new_object_per_change():
     core = RoutingCore(RouterConfig(index="predicted").routing_settings(), 16)
     first = core.settings
-    core.reconfigure(first.replace(kv_admission=True))
-    assert core.settings is not first and not first.kv_admission and core.settings.kv_admission
+    core.reconfigure(first.replace(kv_admission=False))
+    assert core.settings is not first and first.kv_admission == "auto"
+    assert core.settings.kv_admission is False
     before = core.settings
     assert core.reset("sticky") == "sticky"
     assert core.settings.policy == "sticky" and before.policy == "affinity"
