@@ -412,13 +412,15 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
         for run in range(runs):
             for pol in policies:
                 prepare(pol)
-                held = _kv_held(url)
+                # One router's count: only where one router answers /health.
+                held = _kv_held(url) if label == "rayattn" else None
                 res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
                                                      rate=rate, progress=True,
                                                      think_s=think_s))
                 s = score(res, wall, wl, tokenizer, block_size)
-                if held is not None:
-                    s["kv_held"] = (_kv_held(url) or 0) - held
+                after = _kv_held(url) if held is not None else None
+                if held is not None and after is not None:
+                    s["kv_held"] = after - held
                 per[pol].append(s)
                 raw.setdefault(f"{wname}/{label} {pol}", []).extend(
                     {**r, "run": run} for r in results_json(res))

@@ -210,12 +210,14 @@ class RoutingCore:
             self.adapters.ended(d.replica, d.adapter)
             d.prefill_pending = d.in_flight = False
 
-    def kv_room(self, route: RouteRequest, candidates: list[str]) -> list[str]:
+    def kv_room(self, route: RouteRequest, candidates: list[str],
+                waited_s: float = 0.0) -> list[str]:
         """The candidates that can take `route` now without pushing a live conversation's
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
         self.kv.share = 1.0 / self.load.routers()
-        return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens)
+        return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
+                            waited_s)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

@@ -82,13 +82,16 @@ round trip, and a history protected for over a minute holds newcomers back for a
 IDLE_FACTOR = 2.0
 """The learned window is this many times the 90th percentile pause: most next turns come
 well inside it, a conversation that ended stops holding room soon after."""
+HOLD_MIN_S = 10.0
+"""The shortest bound on a request's wait for KV room (hold_limit_s)."""
 GAPS_KEPT, GAPS_TO_LEARN = 256, 16
 """Pauses kept (the newest), and how many are needed before the window is learned."""
 
 FILL_BACKOFF = 0.9
 """An engine's fill is multiplied by this when a live history was lost there."""
 FILL_RECOVERY = 0.002
-"""...and raised by this (up to the ceiling) for each live history kept. Kept histories
+"""...and raised by this (up to the ceiling; with router.kv_admission auto and no fill set,
+up to the whole cache) for each live history kept. Kept histories
 are the common case: at this rate a loss in about 1 of 50 turns holds the fill where it is,
 and an engine recovers from 0.6 to 0.95 over some 175 kept turns."""
 FILL_FLOOR = 0.3
@@ -168,17 +171,18 @@ class KVBudget:
 
     # --- queries ------------------------------------------------------------------------
     def ceiling(self, replica: str) -> float:
-        """The most of `replica`'s KV cache admission ever admits up to."""
+        """Where `replica`'s fill starts, and the most it admits up to but where it climbs
+        (router.kv_admission auto with no fill set: up to the whole cache)."""
         if self.fill is not None:
             return self.fill
         return HOST_TIER_FILL if replica in self.host_tier else HBM_FILL
 
     def fill_of(self, replica: str) -> float:
         """The fraction of `replica`'s KV cache admission admits up to now."""
-        top, share = self.ceiling(replica), self._backoff.get(replica, 1.0)
+        top, backoff = self.ceiling(replica), self._backoff.get(replica, 1.0)
         if not (self.climbs and self.fill is None):
-            share = min(share, 1.0)  # a cap again (switched live from auto)
-        return max(min(FILL_FLOOR, top), top * share)
+            backoff = min(backoff, 1.0)  # a cap again (switched live from auto)
+        return max(min(FILL_FLOOR, top), top * backoff)
 
     @property
     def window_s(self) -> float:
@@ -196,11 +200,15 @@ class KVBudget:
         if session is None:
             return False
         conv = self._live.get(session)
-        last = conv.last_seen if conv is not None and not conv.running \
-            else self._gone.pop(session, None)
+        last = self._gone.pop(session, None) if conv is None \
+            else None if conv.running else conv.last_seen
         if last is not None and self.idle_s is None:
             self._learn_gap(self._clock() - last)
         return conv is not None
+
+    def keep_pauses(self, other: KVBudget) -> None:
+        """The pauses `other` learned (a cold start keeps what it knows of the clients)."""
+        self._gaps, self._window_s = other._gaps, other._window_s
 
     def _learn_gap(self, gap: float) -> None:
         if gap > IDLE_MAX_S:
@@ -220,10 +228,19 @@ class KVBudget:
         conv = self._live.get(session) if session else None
         return max(0, prompt_tokens - _held(conv, replica)) + max_tokens
 
+    def hold_limit_s(self) -> float:
+        """The longest a request waits for KV room: twice the live window (10 s at least).
+        By then the histories it waited for have had their next turn, and a request too big
+        for this router's share of any cache does not wait behind others for ever."""
+        return max(HOLD_MIN_S, 2 * self.window_s)
+
     def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
-             max_tokens: int) -> list[str]:
+             max_tokens: int, waited_s: float = 0.0) -> list[str]:
         """The candidates that can take the request now without pushing a live
-        conversation's history out of their cache."""
+        conversation's history out of their cache; all of them once it has waited
+        hold_limit_s()."""
+        if waited_s >= self.hold_limit_s():
+            return list(candidates)
         self._expire()
         conv = self._live.get(session) if session else None
         out = [r for r in candidates if self._fits(r, conv, prompt_tokens, max_tokens)]
@@ -275,6 +292,7 @@ class KVBudget:
             if continued is not None and continued[0] > 0:
                 self._expire()  # only a conversation live now teaches (room() expires too)
             conv = self._live.pop(session, None)
+            self._gone.pop(session, None)  # live again (arrived() may not have seen it)
             # A live conversation back at its engine with no turn of it in flight (an
             # earlier turn still running has not been indexed yet): was its history kept?
             if conv is not None and conv.replica == replica and not conv.running and \
@@ -337,6 +355,7 @@ class KVBudget:
             del self._live[s]
             self.reserved[conv.replica] -= conv.tokens
             if self.idle_s is None:
+                self._gone.pop(s, None)  # newest last
                 self._gone[s] = conv.last_seen
                 if len(self._gone) > GAPS_KEPT * 16:
                     self._gone.popitem(last=False)

@@ -56,12 +56,14 @@ class CoreFields(BaseModel):
     turn a full prefill once the live histories outgrow HBM. With one (engine.kv_offload),
     quiet histories survive in host memory: only the histories of turns in flight are
     protected, and admission mostly runs continuing turns first. `auto`: each engine starts
-    at `kv_admission_fill`'s ceiling (the first conversations are admitted before any comes
-    back to show how its history grew) and, while its live conversations come back to find
-    their histories kept (the engine's own KV events say), climbs past it up to the whole
-    cache; a lost history brings it back under the ceiling. `true`: the ceiling is a cap.
-    `false`: every request goes straight to its engine. Each router replica budgets its
-    share of every engine's cache."""
+    at its ceiling (`kv_admission_fill` unset: the first conversations are admitted before
+    any comes back to show how its history grew) and, while its live conversations come
+    back to find their histories kept (the engine's own KV events say), climbs past it up
+    to the whole cache; a lost history brings it back under the ceiling. A set
+    `kv_admission_fill`, or `true`, keeps the ceiling a cap. `false`: every request goes
+    straight to its engine. Each router replica budgets its share of every engine's cache,
+    and no request waits for room longer than twice `conversation_idle_s` (10 s at
+    least)."""
     conversation_idle_s: float | None = Field(None, gt=0)
     """`kv_admission`: how long after its last turn a conversation still counts as live
     (its history kept free of eviction). None: twice the 90th percentile of the pauses
@@ -69,15 +71,16 @@ class CoreFields(BaseModel):
     seen), within 1–60 s. Longer protects slower conversations and holds new ones back
     longer."""
     kv_admission_fill: float | None = Field(None, gt=0, le=1)
-    """`kv_admission`: the most of each engine's KV cache that running requests and
-    protected histories may fill (the rest is headroom for what the router cannot see:
-    other routers' requests, output beyond max_tokens estimates, histories growing turn by
+    """`kv_admission`: the most of each engine's KV cache (of this router's share of it)
+    that running requests and protected histories may fill (the rest is headroom for what
+    the router cannot see: output beyond max_tokens estimates, histories growing turn by
     turn). None: 0.7 on engines without a host tier (newcomers admitted on today's
     histories keep growing histories in HBM), 0.95 on engines with one (engine.kv_offload:
     a history pushed out of HBM is reloaded, not recomputed); docs/results.md has the runs
-    that chose both. Each engine's fill also backs off from
-    this ceiling while its live conversations come back to find their history evicted, and
-    climbs back while they find it kept (routing/kv_budget.py; /health's
+    that chose both; with `kv_admission: auto`, unset is where each engine's fill starts
+    and it climbs on to the whole cache while histories are kept. Each engine's fill backs
+    off from the ceiling while its live conversations come back to find their history
+    evicted, and climbs back while they find it kept (routing/kv_budget.py; /health's
     `admission_fill`)."""
     kv_admission_protect: KVAdmissionProtect = "auto"
     """`kv_admission`: whose histories a newcomer may not push out of HBM. `live`: every

@@ -22,7 +22,8 @@ class ReplicaView:
     offloaded_blocks: int = 0
     """Blocks of its host-memory KV tier (vLLM's offloading connector)."""
     admission_fill: float = 0.0
-    """The fraction of its KV cache cache-pressure admission admits up to now."""
+    """The fraction of its KV cache cache-pressure admission admits up to now from this
+    router (its fill × this router's share of the cache)."""
 
 
 @dataclass
@@ -42,6 +43,7 @@ def replica_views(routable: Mapping[str, int], load: LoadTracker, index: CacheIn
     """Each member of `routable` as the load view, the index and the KV budget see it."""
     return {n: ReplicaView(load.inflight[n], load.local.get(n, 0),
                            load.pending_prefill.get(n, 0), index.size(n),
-                           index.speculative(n), index.offloaded(n), kv.fill_of(n))
+                           index.speculative(n), index.offloaded(n),
+                           kv.fill_of(n) * kv.share)
             for n in routable}
 

@@ -139,7 +139,7 @@ class Dispatcher:
                               core.policy, core.index_mode, self.gates.admission.limit,
                               {**self.counts, **self.gates.counts()},
                               status.engines(self.fleet, core,
-                                             self.core.settings.kv_admission),
+                                             bool(self.core.settings.kv_admission)),
                               core.regret_tokens, core.session_moves, self.feeds.syncing())
 
     def stream_interval_s(self) -> float:

@@ -411,3 +411,44 @@ def test_each_router_replica_budgets_its_share_of_every_engine_cache():
     assert core.kv_room(route, ["e0"]) == []  # 4,100 + what runs > 8,000 / 2
     now[0] = ROUTER_MEMORY_S + 1
     assert core.load.routers() == 1 and core.kv_room(route, ["e0"]) == ["e0"]
+
+
+def test_no_request_waits_for_room_longer_than_the_hold_limit():
+    """A request too big for the budget (or behind histories that stay live) goes after
+    twice the live window, 10 s at least, instead of waiting for its timeout."""
+    from rayattn.routing.kv_budget import HOLD_MIN_S
+
+    kv = KVBudget(idle_s=8.0, fill=0.5)
+    kv.joined("e0", 10_000)
+    kv.dispatched("e0", None, 100, 100)  # something runs: the budget applies
+    assert kv.hold_limit_s() == 16.0 and KVBudget(idle_s=1.0).hold_limit_s() == HOLD_MIN_S
+    assert kv.room(["e0"], "big", 6_000, 100, waited_s=15.9) == []
+    assert kv.room(["e0"], "big", 6_000, 100, waited_s=16.0) == ["e0"]
+
+
+def test_a_cold_start_keeps_the_learned_pauses_and_stale_pauses_are_not_learned():
+    now = [0.0]
+    core = RoutingCore(RouterConfig(index="predicted").routing_settings(), 16,
+                       clock=lambda: now[0])
+    core.joined("e0", 16, 5000)
+    kv = core.kv
+    for i in range(20):  # 20 pauses of 3 s
+        for _ in range(2):
+            kv.arrived(f"s{i}")
+            h = kv.dispatched("e0", f"s{i}", 100, 10)
+            kv.ended("e0", f"s{i}", h)
+            now[0] += 3.0
+    assert kv.window_s == 6.0
+    core.reset()
+    assert core.kv is not kv and core.kv.window_s == 6.0
+    # A conversation that went quiet, then came back without arrived() (admission was
+    # off meanwhile): its old quiet spell is no pause to learn later.
+    kv = core.kv
+    h = kv.dispatched("e0", "q", 100, 10)
+    kv.ended("e0", "q", h)
+    now[0] += 30.0
+    assert not kv.is_live("q")  # expired: remembered as gone
+    kv.dispatched("e0", "q", 200, 10)  # back, not through arrived(); a turn running
+    gaps = list(kv._gaps)
+    now[0] += 1.0
+    assert kv.arrived("q") and list(kv._gaps) == gaps
