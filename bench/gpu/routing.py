@@ -358,7 +358,10 @@ def main() -> int:
                     f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
                     f"wall={wall:.1f}s moves={s['moves']} regret={s['regret_tokens']} "
                     f"split={s['per_replica']}"
-                    + (f" routers={s['routers']}" if "routers" in s else ""))
+                    + (f" routers={s['routers']}" if "routers" in s else "")
+                    # One router's count since start (the one /health reached).
+                    + (f" kv_held_total={run['router_counts'].get('kv_held')}"
+                       if run.get("router_counts") else ""))
                 if s.get("hops"):
                     log("  hops p50/p99 ms: " + "  ".join(
                         f"{k} {v['p50_ms']:.0f}/{v['p99_ms']:.0f}" for k, v in s["hops"].items()))
