@@ -175,7 +175,7 @@ class RoutingCore:
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
                                        route.max_tokens,
                                        (route.continued_tokens, d.predicted_cached_tokens)
-                                       if learns else None)
+                                       if learns else None, d.predicted_cached_tokens)
         self.load.acquire(d.replica, d.uncached_tokens)
         self.adapters.dispatched(d.replica, route.adapter)
         d.adapter = route.adapter
@@ -216,8 +216,12 @@ class RoutingCore:
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
         self.kv.share = 1.0 / self.load.routers()
+        # A prefix other conversations left there (a system or tool prompt) adds nothing.
+        held, _ = self.index.match_tiers(route.keys)
+        cached = {r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
+                  for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
-                            waited_s)
+                            waited_s, cached)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

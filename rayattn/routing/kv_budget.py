@@ -11,7 +11,9 @@ router keeps, per engine, the tokens of
   * its running requests (what they add to the cache: their output, and the prompts of
     requests without a session), and
   * the histories of its live conversations (a turn in flight or finished less than
-    `idle_s` ago, by the session header),
+    `idle_s` ago, by the session header), each without the prefix that was cached on its
+    engine before it came (a system or tool prompt many conversations share is in the
+    cache once, not once per conversation),
 
 and admits a new conversation (or one moving in) only where running + live histories + what
 it adds fits the engine's KV capacity, and a live conversation's next turn where running +
@@ -62,7 +64,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 DEFAULT_OUTPUT_TOKENS = 256
@@ -109,6 +111,14 @@ class _Conversation:
     tokens: int
     last_seen: float
     running: int = 0
+    shared: int = 0
+    """Tokens of its history that were cached on `replica` before it came (a system or tool
+    prompt other conversations share): they are in the cache once for all of them."""
+
+    @property
+    def own(self) -> int:
+        """Its history's tokens that are its alone (what admission reserves for it)."""
+        return self.tokens - self.shared
 
 
 class KVBudget:
@@ -222,11 +232,12 @@ class KVBudget:
             self._window_s = min(IDLE_MAX_S, max(IDLE_MIN_S, IDLE_FACTOR * p90))
 
     def adds(self, replica: str, session: str | None, prompt_tokens: int,
-             max_tokens: int) -> int:
-        """Tokens a request would add to `replica`'s cache: its prompt past the history its
-        conversation already holds there, and its output."""
+             max_tokens: int, cached_tokens: int = 0) -> int:
+        """Tokens a request would add to `replica`'s cache: its prompt past what is cached
+        there (the history its conversation holds there, a prefix others share:
+        `cached_tokens`), and its output."""
         conv = self._live.get(session) if session else None
-        return max(0, prompt_tokens - _held(conv, replica)) + max_tokens
+        return max(0, prompt_tokens - max(_held(conv, replica), cached_tokens)) + max_tokens
 
     def hold_limit_s(self) -> float:
         """The longest a request waits for KV room: twice the live window (10 s at least).
@@ -235,15 +246,18 @@ class KVBudget:
         return max(HOLD_MIN_S, 2 * self.window_s)
 
     def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
-             max_tokens: int, waited_s: float = 0.0) -> list[str]:
+             max_tokens: int, waited_s: float = 0.0,
+             cached: Mapping[str, int] | None = None) -> list[str]:
         """The candidates that can take the request now without pushing a live
         conversation's history out of their cache; all of them once it has waited
-        hold_limit_s()."""
+        hold_limit_s(). `cached`: tokens of the prompt each candidate has cached."""
         if waited_s >= self.hold_limit_s():
             return list(candidates)
         self._expire()
         conv = self._live.get(session) if session else None
-        out = [r for r in candidates if self._fits(r, conv, prompt_tokens, max_tokens)]
+        cached = cached or {}
+        out = [r for r in candidates
+               if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))]
         if conv is not None and conv.replica in candidates and conv.replica not in out:
             # A live conversation waits for the engine that holds its history rather than
             # moving only because another has room: there it would recompute all of it (and
@@ -253,7 +267,7 @@ class KVBudget:
         return out
 
     def _fits(self, r: str, conv: _Conversation | None, prompt_tokens: int,
-              max_tokens: int) -> bool:
+              max_tokens: int, cached_tokens: int) -> bool:
         cap = self.capacity.get(r)
         if cap is None or not self.running[r]:
             return True
@@ -261,12 +275,12 @@ class KVBudget:
             # Quiet histories are safe in the host tier: protect only those in use,
             # and count the whole prompt (what the host tier holds is reloaded into
             # HBM blocks).
-            own = conv.tokens if conv is not None and conv.replica == r and \
+            own = conv.own if conv is not None and conv.replica == r and \
                 conv.running else 0
             protected = self.active[r] - own
             need = prompt_tokens + max_tokens
         else:
-            need = max(0, prompt_tokens - _held(conv, r)) + max_tokens
+            need = max(0, prompt_tokens - max(_held(conv, r), cached_tokens)) + max_tokens
             # A conversation live here only has to fit next to what runs: the live
             # histories are what admission protects from newcomers, not from each
             # other.
@@ -280,11 +294,13 @@ class KVBudget:
 
     # --- lifecycle ----------------------------------------------------------------------
     def dispatched(self, replica: str, session: str | None, prompt_tokens: int,
-                   max_tokens: int, continued: tuple[int, int] | None = None) -> int:
+                   max_tokens: int, continued: tuple[int, int] | None = None,
+                   cached_tokens: int = 0) -> int:
         """A request is sent to `replica`; returns the running tokens it holds until
         `ended`. `continued`: (tokens it shares with its conversation's previous prompt and
         answer, tokens the router's index predicts cached there), for the fill to learn
-        whether the history was kept; None: nothing to learn from."""
+        whether the history was kept; None: nothing to learn from. `cached_tokens`: of its
+        prompt, predicted cached there (a conversation new there shares that much)."""
         now = self._clock()
         if not session:
             held = prompt_tokens + max_tokens
@@ -299,16 +315,19 @@ class KVBudget:
                     continued is not None and continued[0] > 0:
                 self._learn(replica, kept=continued[1] >= continued[0] * LOST)
             if conv is not None:
-                self.reserved[conv.replica] -= conv.tokens
+                self.reserved[conv.replica] -= conv.own
                 if conv.running:
-                    self.active[conv.replica] -= conv.tokens
+                    self.active[conv.replica] -= conv.own
             running = conv.running if conv is not None else 0
+            # What was cached there before it came is shared; at home it stays what it was.
+            shared = conv.shared if conv is not None and conv.replica == replica \
+                else min(cached_tokens, prompt_tokens)
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
-            conv = _Conversation(replica, prompt_tokens, now, running + 1)
+            conv = _Conversation(replica, prompt_tokens, now, running + 1, shared)
             self._live[session] = conv
-            self.reserved[replica] += prompt_tokens
-            self.active[replica] += prompt_tokens
+            self.reserved[replica] += conv.own
+            self.active[replica] += conv.own
             held = max_tokens
         self.running[replica] += held
         return held
@@ -339,7 +358,7 @@ class KVBudget:
         conv = self._live.get(session) if session else None
         if conv is not None:
             if conv.running == 1:
-                self.active[conv.replica] -= conv.tokens
+                self.active[conv.replica] -= conv.own
             conv.running = max(0, conv.running - 1)
             conv.last_seen = self._clock()
             self._live.move_to_end(session)
@@ -353,7 +372,7 @@ class KVBudget:
             if conv.running:
                 continue
             del self._live[s]
-            self.reserved[conv.replica] -= conv.tokens
+            self.reserved[conv.replica] -= conv.own
             if self.idle_s is None:
                 self._gone.pop(s, None)  # newest last
                 self._gone[s] = conv.last_seen

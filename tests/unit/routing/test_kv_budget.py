@@ -452,3 +452,46 @@ def test_a_cold_start_keeps_the_learned_pauses_and_stale_pauses_are_not_learned(
     gaps = list(kv._gaps)
     now[0] += 1.0
     assert kv.arrived("q") and list(kv._gaps) == gaps
+
+
+def test_a_prefix_cached_before_a_conversation_came_is_not_reserved_for_it():
+    """Agent sessions share a long tool prompt, cached once: it is not part of what each
+    session adds or of the history admission reserves for it, so sessions that fit the
+    cache are not held back as if each carried its own copy."""
+    kv = KVBudget(idle_s=5.0, fill=1.0)
+    kv.joined("e0", 8_000)
+    kv.dispatched("e0", None, 100, 100)  # something runs: the budget applies
+    for i in range(4):  # 4 sessions: 3,000 shared + 500 of their own each
+        h = kv.dispatched("e0", f"s{i}", 3_500, 100, cached_tokens=3_000 if i else 0)
+        kv.finished("e0", f"s{i}", 3_600)
+        kv.ended("e0", f"s{i}", h)
+    assert kv.reserved["e0"] == 3_600 + 3 * 600  # the first one brought the prompt
+    assert kv.adds("e0", "s9", 3_500, 100, cached_tokens=3_000) == 600
+    # A fifth session fits next to them; counted as a copy of the prompt each, it would not.
+    assert kv.room(["e0"], "s9", 3_500, 100, cached={"e0": 3_000}) == ["e0"]
+    assert kv.room(["e0"], "s9", 3_500, 100) == []
+    # At home a session keeps what it shared; its own growth is its own.
+    h = kv.dispatched("e0", "s1", 4_000, 100, cached_tokens=3_600)
+    kv.finished("e0", "s1", 4_100)
+    kv.ended("e0", "s1", h)
+    assert kv.reserved["e0"] == 3_600 + 2 * 600 + 1_100
+    kv.left("e0")
+    assert kv.reserved["e0"] == 0 and not kv.is_live("s1")
+
+
+def test_the_core_counts_what_the_index_holds_of_a_new_session_as_shared():
+    core = RoutingCore(RouterConfig(index="predicted", kv_admission_fill=1.0)
+                       .routing_settings(), 16)
+    core.joined("e0", 16, 500)  # 8,000 tokens
+    tools = list(range(3_008))  # 188 full blocks every session starts with
+    for i in range(2):
+        route = core.request(tools + [50_000 + i] * 400, session=f"s{i}")
+        route.max_tokens = 10
+        assert core.kv_room(route, ["e0"]) == ["e0"]
+        d = core.choose(route, ["e0"])
+        core.dispatched(d, route)
+    # s1 found the tool prompt cached: only its own 400 tokens are reserved for it.
+    assert core.kv.reserved["e0"] == 3_408 + 400
+    route = core.request(tools + [60_000] * 3_000, session="s2")
+    route.max_tokens = 10
+    assert core.kv_room(route, ["e0"]) == ["e0"]  # 3,808 + 20 + 3,010 ≤ 8,000
