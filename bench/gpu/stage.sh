@@ -52,7 +52,7 @@ fi
 # the GPU run's own files as they are now; or, with --worktree, the working tree at this
 # moment (what travels is fixed once staged, whatever changes here afterwards).
 snap="$last/snap"
-paths="rayattn bench/peers deployments pyproject.toml tests/unit tests/__init__.py tests/conftest.py tests/areas.py tests/own_apps.py"
+paths="rayattn bench/peers deployments pyproject.toml tests/unit tests/__init__.py tests/conftest.py tests/areas.py tests/beside.py tests/own_apps.py"
 rm -rf "$snap" && mkdir -p "$snap"
 if [ $worktree = 1 ]; then
   # Tracked (as edited) and untracked files, not ignored ones; files deleted here stay out.
