@@ -24,6 +24,14 @@ from pathlib import Path
 BLOCK = 16
 
 
+def _cold(flags: list[bool | None]) -> str:
+    """How many runs started from emptied caches and host tiers ("?" for runs from before
+    routing.py kept it)."""
+    if any(f is None for f in flags):
+        return "?"
+    return f"{sum(flags)} of {len(flags)}"
+
+
 def block_oracle(results: list[dict], workload, tok) -> float:
     """Block-aligned oracle hit rate of one run (see module doc)."""
     from rayattn.bench.driver import cached_output  # only --routing needs rayattn
@@ -85,7 +93,8 @@ def routing(path: Path, tok, out: Path) -> dict:
         s["oracle_block_hit_rate"] = block_oracle(run["results"], wls[run["workload"]], tok)
         s["hit_over_oracle"] = s["hit_rate"] / max(s["oracle_block_hit_rate"], 1e-9)
         rows.append({"stack": run["stack"], "policy": run["policy"],
-                     "workload": run["workload"], "repeat": run["repeat"], **s})
+                     "workload": run["workload"], "repeat": run["repeat"],
+                     "cold": run.get("cold"), **s})
     agg: dict = {}
     keys = ["hit_rate", "oracle_block_hit_rate", "hit_over_oracle", "ttft_p50_s", "ttft_p90_s",
             "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s", "wall_s",
@@ -98,7 +107,8 @@ def routing(path: Path, tok, out: Path) -> dict:
             # later_* only in runs since 01d6db2; a share is None where no replica is known
             v = r.get(k)
             a[k].append(float("nan") if v is None else v)
-    table = {f"{w}|{s}|{p}": {k: statistics.mean(v) for k, v in a.items()} | {
+        a["cold"].append(r.get("cold"))  # True / False; None: a run from before it was kept
+    table = {f"{w}|{s}|{p}": {k: statistics.mean(v) for k, v in a.items() if k != "cold"} | {
         "n": len(a["hit_rate"]), "values": {k: v for k, v in a.items()}}
         for (w, s, p), a in agg.items()}
     ratios = {}
@@ -127,8 +137,8 @@ def routing(path: Path, tok, out: Path) -> dict:
     summary["first_turns"] = first_turns(rep["runs"])
     (out / "routing-summary.json").write_text(json.dumps(summary, indent=1))
     print("\n| workload | stack | policy | hit/oracle | hit | oracle | TTFT p50 s | TTFT p90 s |"
-          " later-turn TTFT p50 s | p90 s | output tok/s | wall s | max share |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          " later-turn TTFT p50 s | p90 s | output tok/s | wall s | max share | cold runs |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, v in table.items():
         w, s, p = key.split("|")
         vals = v["values"]
@@ -140,7 +150,7 @@ def routing(path: Path, tok, out: Path) -> dict:
               f"{both('ttft_p50_s', '.3f')} | {both('ttft_p90_s', '.3f')} | "
               f"{both('later_ttft_p50_s', '.3f')} | {both('later_ttft_p90_s', '.3f')} | "
               f"{both('output_tok_per_s', '.0f')} | {both('wall_s', '.1f')} | "
-              f"{both('max_replica_share', '.2f')} |")
+              f"{both('max_replica_share', '.2f')} | {_cold(vals['cold'])} |")
     print("\nrayattn's way to the first token, p50 / p99 ms per run (driver.hop_summary):")
     header = False
     for r in rows:

@@ -169,13 +169,22 @@ def peer_counts() -> list[float]:
     return out
 
 
-def reset_peers() -> list[int]:
+def reset_peers() -> list[tuple[int, bool]]:
+    """(status, emptied) per peer engine: vLLM 0.32 answers {"success": bool} (False while
+    blocks are in use), vLLM 0.25 an empty 200."""
     import httpx
 
-    # reset_external: the host KV tier (--kv-offloading-size) too, as rayattn's reset does.
-    return [httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
-                       params={"reset_external": "true"}, timeout=60).status_code
-            for p in PEER_PORTS]
+    out = []
+    for p in PEER_PORTS:
+        # reset_external: the host KV tier (--kv-offloading-size) too, as rayattn's reset does.
+        r = httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
+                       params={"reset_external": "true"}, timeout=60)
+        try:
+            ok = bool(r.json().get("success", True))
+        except ValueError:
+            ok = True
+        out.append((r.status_code, ok and r.status_code == 200))
+    return out
 
 
 def chat(url: str, name: str, words: int, tag: str) -> dict:
@@ -325,9 +334,11 @@ def main() -> int:
                     r = httpx.post(f"{app.url}/admin/reset", json={
                         "policy": name_, "settings": settings}, timeout=120)
                     r.raise_for_status()
+                    run["cold"] = r.json().get("cold")
                     url, before = app.url, None
                 else:
                     run["reset"] = reset_peers()
+                    run["cold"] = all(ok for _, ok in run["reset"])
                     router, run["router_start_s"] = start_router(pol, logdir)
                     url, before = f"http://127.0.0.1:{ROUTER_PORT}", peer_counts()
                 res, wall = asyncio.run(run_workload(url, name, wl, concurrency=a.concurrency,
@@ -357,7 +368,7 @@ def main() -> int:
                     f"p90={s['ttft_p90_s']:.3f} later p50={s['later_ttft_p50_s']:.3f} "
                     f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
                     f"wall={wall:.1f}s moves={s['moves']} regret={s['regret_tokens']} "
-                    f"split={s['per_replica']}"
+                    f"split={s['per_replica']}{'' if run.get('cold') else ' NOT COLD'}"
                     + (f" routers={s['routers']}" if "routers" in s else "")
                     # One router's count since start (the one /health reached).
                     + (f" kv_held_total={run['router_counts'].get('kv_held')}"

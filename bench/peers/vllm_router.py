@@ -82,11 +82,24 @@ class PeerStack:
         self.router = self._spawn(cmd, f"vllm-router-{policy}", dict(os.environ))
         _wait(f"{self.url}/v1/models", timeout, [self.router])
 
-    def reset_caches(self) -> None:
+    def reset_caches(self) -> bool:
+        """Empty every engine's prefix cache and host tier; whether all of them did (vLLM
+        refuses while blocks are in use: each is asked a few times, as rayattn's reset
+        does)."""
+        emptied = True
         for url in self.urls:
-            # reset_external: the host KV tier too (vllm serve --kv-offloading-size).
-            httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"},
-                       timeout=60).raise_for_status()
+            for attempt in range(4):
+                if attempt:
+                    time.sleep(0.5)
+                # reset_external: the host KV tier too (vllm serve --kv-offloading-size).
+                r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"},
+                               timeout=60)
+                r.raise_for_status()
+                if _success(r):
+                    break
+            else:
+                emptied = False
+        return emptied
 
     def stop_router(self) -> None:
         if self.router is not None:
@@ -132,3 +145,12 @@ def end_group(p: subprocess.Popen, grace: float = 20) -> None:
         p.wait(10)
     except subprocess.TimeoutExpired:
         pass
+
+
+def _success(r: httpx.Response) -> bool:
+    """vLLM's answer to /reset_prefix_cache: {"success": bool} (0.32), an empty 200
+    (older)."""
+    try:
+        return bool(r.json().get("success", True))
+    except ValueError:
+        return True

@@ -167,13 +167,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
             url, startup = start_local(a.port, a.config)
             print(f"local deployment up in {startup:.1f}s at {url}")
 
-        def rayattn_policy(pol: str) -> None:
+        def rayattn_policy(pol: str) -> bool:
             # "affinity@predicted", "affinity@load_slack=8": switched live with the reset.
             policy, settings = variant(pol)
             r = httpx.post(f"{url}/admin/reset", json={"policy": policy,
                                                        "settings": {**base, **settings}},
                            timeout=60)
             r.raise_for_status()
+            return bool(r.json().get("cold"))
 
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
@@ -184,14 +185,14 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if a.target is not None:
                 raise SystemExit("--ingress redeploys the router: only with the local deployment")
 
-            def on_n_routers(pol: str, n: int = n) -> None:
+            def on_n_routers(pol: str, n: int = n) -> bool:
                 # Every router replica must switch, so the setting goes through the Serve
                 # config (user_config reaches all of them); the reset then only empties the
                 # engines' caches, which every router's events index sees.
                 policy, settings = variant(pol)
                 deploy_router(yaml.safe_load(Path(a.config).read_text()), n,
                               {"policy": policy, **base, **settings})
-                rayattn_policy(pol)
+                return rayattn_policy(pol)
 
             run_matrix(f"rayattn ×{n} ingress", url, a.model, workloads, policies,
                        on_n_routers, a.concurrency, a.block_size, tok, a.runs, a.rate, table,
@@ -314,9 +315,9 @@ def run_peer(a: argparse.Namespace, workloads: dict, tok, table: dict, raw: dict
         took = stack.start_engines()
         print(f"{plan.replicas} vllm serve engines up in {took:.1f}s")
 
-        def prepare(policy: str) -> None:
+        def prepare(policy: str) -> bool:
             stack.start_router(policy)
-            stack.reset_caches()
+            return stack.reset_caches()
 
         run_matrix("vllm-router", stack.url, a.model, workloads, a.peer_policies.split(","),
                    prepare, a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
@@ -333,11 +334,12 @@ def run_ray_llm_peer(a: argparse.Namespace, workloads: dict, tok, table: dict,
     try:
         stack.start()
 
-        def prepare(policy: str) -> None:
+        def prepare(policy: str) -> bool | None:
             took = stack.deploy(policy)
             if took:
                 print(f"Ray Serve LLM ({policy}) up in {took:.1f}s")
             stack.reset_caches()
+            return None  # its broadcast says nothing of whether each engine emptied
 
         run_matrix("ray-serve-llm", stack.url, a.model, workloads, policies, prepare,
                    a.concurrency, a.block_size, tok, a.runs, a.rate, table, raw, a.think_s)
@@ -404,20 +406,23 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                prepare, concurrency: int, block_size: int, tokenizer, runs: int,
                rate: float | None, table: dict, raw: dict, think_s: float = 0.0) -> None:
     """Every policy on every workload, `runs` times (interleaved, so drift hits all alike);
-    `prepare(policy)` puts the stack in that policy with cold caches."""
+    `prepare(policy)` puts the stack in that policy with cold caches and says whether every
+    cache (host tiers included) emptied: True, False, or None where the stack cannot tell.
+    Each run records it (`cold`) and prints it; the table counts the cold runs."""
     from rayattn.bench.driver import results_json, run_workload
 
     for wname, wl in workloads.items():
         per: dict[str, list[dict]] = {p: [] for p in policies}
         for run in range(runs):
             for pol in policies:
-                prepare(pol)
+                cold = prepare(pol)
                 # One router's count: only where one router answers /health.
                 held = _kv_held(url) if label == "rayattn" else None
                 res, wall = asyncio.run(run_workload(url, model, wl, concurrency=concurrency,
                                                      rate=rate, progress=True,
                                                      think_s=think_s))
                 s = score(res, wall, wl, tokenizer, block_size)
+                s["cold"] = cold
                 after = _kv_held(url) if held is not None else None
                 if held is not None and after is not None:
                     s["kv_held"] = after - held
@@ -430,15 +435,19 @@ def run_matrix(label: str, url: str, model: str, workloads: dict, policies: list
                       f"later p50={s['later_ttft_p50_s']:.3f} p90={s['later_ttft_p90_s']:.3f} "
                       f"ok={s['ok']}/{s['requests']} "
                       f"moves={s['moves']} regret={s['regret_tokens']}"  # None: a peer
-                      + (f" held={s['kv_held']}" if "kv_held" in s else ""), flush=True)
+                      + (f" held={s['kv_held']}" if "kv_held" in s else "")
+                      + {True: " cold", False: " NOT COLD", None: ""}[cold], flush=True)
         for pol, ss in per.items():
             row = dict(ss[len(ss) // 2])  # one run's details; the figures below are medians
+            row.pop("cold", None)  # counted over the runs below
             for k in ("hit_rate", "hit_vs_block_oracle", "wall_s", "ttft_p50_s", "ttft_p90_s",
                       "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s"):
                 vals = [x[k] for x in ss]
                 row[k] = statistics.median(vals)
                 row[f"{k}_range"] = [min(vals), max(vals)]
             row["runs"] = len(ss)
+            row["cold_runs"] = sum(1 for x in ss if x["cold"]) \
+                if all(x["cold"] is not None for x in ss) else None
             table.setdefault(wname, {})[f"{label} {pol}"] = row
 
 

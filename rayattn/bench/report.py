@@ -10,7 +10,9 @@ from typing import Any
 COLUMNS = ["hit_rate", "oracle_block_hit_rate", "hit_vs_block_oracle", "ttft_p50_s",
            "ttft_p90_s", "later_ttft_p50_s", "later_ttft_p90_s", "output_tok_per_s", "wall_s",
            "max_replica_share",
-           "moves", "regret_tokens"]
+           "moves", "regret_tokens", "cold_runs"]
+"""`cold_runs`: of the runs, those whose reset emptied every cache and host tier (– where
+the stack cannot tell)."""
 # With --peer: each row against the peer's best policy in the same run.
 RATIO_COLUMNS = ["vs_peer", "wall_ratio", "ttft_p90_ratio", "later_ttft_p50_ratio",
                  "later_ttft_p90_ratio", "throughput_ratio"]

@@ -46,6 +46,9 @@ from rayattn.server.tenancy.gates import Gates
 log = logging.getLogger("rayattn.router")
 
 # How long a request waits for an engine replica when some exist but none is up.
+RESET_ATTEMPTS, RESET_RETRY_S = 4, 0.5
+"""How often /admin/reset asks an engine that refused to empty its cache, and how long
+apart (vLLM refuses while blocks are in use)."""
 NO_REPLICA_GRACE_S = 10.0
 
 
@@ -122,16 +125,27 @@ class Dispatcher:
         if self.metrics is not None:
             self.metrics.set_policy(self.core.policy.name)
 
-    async def reset(self, policy: str | None = None) -> str:
-        """Cold-start every engine's prefix cache and the router's view; optionally switch
-        policy. Used by benchmarks to compare policies on the same engines in one run."""
-        live = [self.fleet.members[n] for n in self.live()]
-        await asyncio.gather(*(r.handle.reset_prefix_cache.remote() for r in live))
+    async def reset(self, policy: str | None = None) -> tuple[str, list[str]]:
+        """Cold-start every engine's prefix cache (and host tier) and the router's view;
+        optionally switch policy. Used by benchmarks to compare policies on the same engines
+        in one run. Returns the policy and the engines that did not empty: vLLM refuses
+        while blocks are in use (a previous run's last requests), so each is asked again a
+        few times first."""
+        pending = {n: self.fleet.members[n] for n in self.live()}
+        for attempt in range(RESET_ATTEMPTS):
+            if attempt:
+                await asyncio.sleep(RESET_RETRY_S)
+            done = await asyncio.gather(*(r.handle.reset_prefix_cache.remote()
+                                          for r in pending.values()))
+            pending = {n: r for (n, r), ok in zip(pending.items(), done, strict=True)
+                       if not ok}
+            if not pending:
+                break
         name = self.core.reset(policy)
         self.fleet.refeed()
         if self.metrics is not None:
             self.metrics.set_policy(name)
-        return name
+        return name, sorted(pending)
 
     def snapshot(self) -> RouterSnapshot:
         core = self.core.snapshot()

@@ -53,6 +53,28 @@ def test_kv_event_index_predicts_every_cached_token(server, reset, tokenizer):
                for v in views.values()), views
 
 
+def test_a_reset_says_it_emptied_every_cache_and_did(server, reset):
+    """/admin/reset answers `cold` only when every engine emptied its cache: a prompt served
+    from cache before it is computed afresh after it (what a benchmark's cold run relies
+    on)."""
+    reset("affinity")
+    body = {"model": MODEL, "max_tokens": 2, "messages": [{"role": "user", "content":
+            "Keep this in mind. " + " ".join(f"item{i}" for i in range(300))}]}
+
+    def cached() -> int:
+        r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120,
+                       headers={"x-session-id": "reset-check"})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    cached()
+    assert cached() > 0  # warm
+    r = httpx.post(f"{server}/admin/reset", json={"policy": "affinity"}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["cold"] is True and r.json()["not_emptied"] == [], r.json()
+    assert cached() == 0
+
+
 def test_two_routers_share_one_truth(ray_cluster, server, reset, tokenizer):
     """A second, independent router on the same engines: turns alternate between the two,
     and each still finds the history the other one placed."""

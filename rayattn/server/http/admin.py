@@ -43,7 +43,7 @@ class AdminAPI:
             if any(k != "policy" for k in changed):
                 # Same path as a live router setting: a new index resyncs from the engines.
                 self.apply_router_config(want.model_dump())
-            policies = [await d.reset(want.policy) for d in self.bases.dispatchers]
+            outcomes = [await d.reset(want.policy) for d in self.bases.dispatchers]
         except APIError as e:
             return e.response()
         except ValidationError as e:
@@ -51,8 +51,12 @@ class AdminAPI:
         except ValueError as e:  # e.g. a key variable the new settings name holds no key
             return APIError(400, str(e)).response()
         after = [d.snapshot() for d in self.bases.dispatchers]
-        return JSONResponse({"policy": policies[-1], "index": after[0].index_mode,
-                             "replicas_up": [r for a in after for r in a.replicas_up]})
+        # `cold`: every engine emptied its cache and host tier (a benchmark run after a
+        # reset that was not cold says so instead of passing for one).
+        missed = [n for _, left in outcomes for n in left]
+        return JSONResponse({"policy": outcomes[-1][0], "index": after[0].index_mode,
+                             "replicas_up": [r for a in after for r in a.replicas_up],
+                             "cold": not missed, "not_emptied": missed})
 
     def _wanted(self, data: dict[str, Any]) -> tuple[RouterConfig, list[str]]:
         """The router settings a reset asks for, all validated before anything changes, and
