@@ -135,6 +135,7 @@ class RoutingCore:
         """An engine's in-flight requests per sending router (probe reply or chunk)."""
         if name in self.routable:
             self.load.reported(name, by_origin, stamp)
+            self.kv.share = 1.0 / self.load.routers()
 
     # --- one request --------------------------------------------------------------------
     def request(self, token_ids: list[int], session: str | None = None,
@@ -210,8 +211,7 @@ class RoutingCore:
             self.adapters.ended(d.replica, d.adapter)
             d.prefill_pending = d.in_flight = False
 
-    def kv_room(self, route: RouteRequest, candidates: list[str],
-                waited_s: float = 0.0) -> list[str]:
+    def kv_room(self, route: RouteRequest, candidates: list[str]) -> list[str]:
         """The candidates that can take `route` now without pushing a live conversation's
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
@@ -221,7 +221,7 @@ class RoutingCore:
         cached = {r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
                   for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
-                            waited_s, cached)
+                            cached)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

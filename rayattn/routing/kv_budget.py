@@ -84,8 +84,6 @@ round trip, and a history protected for over a minute holds newcomers back for a
 IDLE_FACTOR = 2.0
 """The learned window is this many times the 90th percentile pause: most next turns come
 well inside it, a conversation that ended stops holding room soon after."""
-HOLD_MIN_S = 10.0
-"""The shortest bound on a request's wait for KV room (hold_limit_s)."""
 GAPS_KEPT, GAPS_TO_LEARN = 256, 16
 """Pauses kept (the newest), and how many are needed before the window is learned."""
 
@@ -239,25 +237,21 @@ class KVBudget:
         conv = self._live.get(session) if session else None
         return max(0, prompt_tokens - max(_held(conv, replica), cached_tokens)) + max_tokens
 
-    def hold_limit_s(self) -> float:
-        """The longest a request waits for KV room: twice the live window (10 s at least).
-        By then the histories it waited for have had their next turn, and a request too big
-        for this router's share of any cache does not wait behind others for ever."""
-        return max(HOLD_MIN_S, 2 * self.window_s)
-
     def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
-             max_tokens: int, waited_s: float = 0.0,
-             cached: Mapping[str, int] | None = None) -> list[str]:
+             max_tokens: int, cached: Mapping[str, int] | None = None) -> list[str]:
         """The candidates that can take the request now without pushing a live
-        conversation's history out of their cache; all of them once it has waited
-        hold_limit_s(). `cached`: tokens of the prompt each candidate has cached."""
-        if waited_s >= self.hold_limit_s():
-            return list(candidates)
+        conversation's history out of their cache. `cached`: tokens of the prompt each
+        candidate has cached. A request bigger than this router's budget of every candidate
+        by itself goes at once: waiting cannot make room for it."""
         self._expire()
         conv = self._live.get(session) if session else None
         cached = cached or {}
         out = [r for r in candidates
                if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))]
+        if not out and candidates and all(
+                self.adds(r, session, prompt_tokens, max_tokens, cached.get(r, 0))
+                > self.budget(r) for r in candidates):
+            return list(candidates)
         if conv is not None and conv.replica in candidates and conv.replica not in out:
             # A live conversation waits for the engine that holds its history rather than
             # moving only because another has room: there it would recompute all of it (and
@@ -285,7 +279,13 @@ class KVBudget:
             # histories are what admission protects from newcomers, not from each
             # other.
             protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
-        return self.running[r] + protected + need <= self.fill_of(r) * cap * self.share
+        return self.running[r] + protected + need <= self.budget(r)
+
+    def budget(self, replica: str) -> float:
+        """Tokens of `replica`'s cache this router admits up to now (its fill of this
+        router's share; unbounded for an engine of unknown capacity)."""
+        cap = self.capacity.get(replica)
+        return float("inf") if cap is None else self.fill_of(replica) * cap * self.share
 
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":

@@ -61,9 +61,8 @@ class CoreFields(BaseModel):
     back to find their histories kept (the engine's own KV events say), climbs past it up
     to the whole cache; a lost history brings it back under the ceiling. A set
     `kv_admission_fill`, or `true`, keeps the ceiling a cap. `false`: every request goes
-    straight to its engine. Each router replica budgets its share of every engine's cache,
-    and no request waits for room longer than twice `conversation_idle_s` (10 s at
-    least)."""
+    straight to its engine. Each router replica budgets its share of every engine's cache;
+    a request bigger than that budget by itself does not wait."""
     conversation_idle_s: float | None = Field(None, gt=0)
     """`kv_admission`: how long after its last turn a conversation still counts as live
     (its history kept free of eviction). None: twice the 90th percentile of the pauses

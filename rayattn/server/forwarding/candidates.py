@@ -104,8 +104,8 @@ class Candidates:
                            wait_until: float, turn: tuple[str, int]) -> list[str]:
         """The candidates with KV room for `route`; while there are none, the request waits
         here, woken as requests end, continuing conversations first and in arrival order
-        within each class, for at most the budget's hold limit (twice the live window, 10 s
-        at least)."""
+        within each class. The request's own timeout (router.request_timeout_s) bounds the
+        wait; one too big for the budget by itself does not wait (KVBudget.room)."""
         # The first attempt's arrival teaches the budget the conversation's pause.
         kv = self.core.kv
         prio = 0 if (kv.is_live(route.session) if tried else kv.arrived(route.session)) \
@@ -117,7 +117,7 @@ class Candidates:
                 candidates = await self._open(route, tried, wait_until, turn)
                 if not self.core.settings.kv_admission:
                     return candidates  # switched off while this request waited
-                room = self.core.kv_room(route, candidates, time.monotonic() - t0)
+                room = self.core.kv_room(route, candidates)
                 if room:
                     if seq in self._kv_waiters:
                         self._counts["kv_held"] += 1

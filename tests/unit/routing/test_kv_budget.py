@@ -34,7 +34,7 @@ def test_live_histories_hold_new_conversations_back_until_they_go_quiet():
     kv.ended("e0", "c", third)
     # Nothing running: an engine takes anything, however big (no request waits forever).
     kv.dispatched("e0", "x", 9_000, 100)
-    assert kv.room(["e0"], "y", 50_000, 100) == []
+    assert kv.room(["e0"], "y", 5_000, 100) == []
     assert KVBudget(5.0).room(["unknown"], "y", 50_000, 100) == ["unknown"]
 
 
@@ -148,11 +148,11 @@ def test_an_engine_that_leaves_and_rejoins_keeps_its_running_count_exact():
     kv.ended("e0", None, s)
     kv.joined("e0", 10_000)
     assert kv.running["e0"] == 0 and kv.reserved["e0"] == 0
-    # Nothing running: an engine takes a request however big (nothing waits forever),
-    # where one running request would hold it back.
-    assert kv.room(["e0"], "big", 50_000, 100) == ["e0"]
+    # Nothing running: an engine takes a big request (nothing waits forever), where one
+    # running request would hold it back.
+    assert kv.room(["e0"], "big", 9_800, 100) == ["e0"]
     kv.dispatched("e0", "small", 100, 10)
-    assert kv.room(["e0"], "big", 50_000, 100) == []
+    assert kv.room(["e0"], "big", 9_800, 100) == []
 
 
 def test_a_live_conversation_with_room_at_home_may_still_be_moved_by_the_policy():
@@ -401,29 +401,35 @@ def test_each_router_replica_budgets_its_share_of_every_engine_cache():
                                     index="predicted").routing_settings(), 16, origin="r0",
                        clock=lambda: now[0])
     core.joined("e0", 16, 500)  # 8,000 tokens
-    blocker = core.request(list(range(90_000, 90_100)))
-    core.dispatched(core.choose(blocker, ["e0"]), blocker)  # something runs
-    route = core.request(list(range(4_000)), session="s")
+    blocker = core.request(list(range(90_000, 92_000)))
+    core.dispatched(core.choose(blocker, ["e0"]), blocker)  # 2,000 tokens run
+    route = core.request(list(range(3_000)), session="s")
     route.max_tokens = 100
     assert core.kv_room(route, ["e0"]) == ["e0"]
     core.reported("e0", {"r0": 1, "r1": 2, "r2": 0})  # r2 has nothing there
-    assert core.load.routers() == 2
-    assert core.kv_room(route, ["e0"]) == []  # 4,100 + what runs > 8,000 / 2
+    assert core.load.routers() == 2 and core.kv.budget("e0") == 4_000
+    assert core.kv_room(route, ["e0"]) == []  # 2,000 + 3,100 > 8,000 / 2
     now[0] = ROUTER_MEMORY_S + 1
     assert core.load.routers() == 1 and core.kv_room(route, ["e0"]) == ["e0"]
 
 
-def test_no_request_waits_for_room_longer_than_the_hold_limit():
-    """A request too big for the budget (or behind histories that stay live) goes after
-    twice the live window, 10 s at least, instead of waiting for its timeout."""
-    from rayattn.routing.kv_budget import HOLD_MIN_S
-
-    kv = KVBudget(idle_s=8.0, fill=0.5)
+def test_a_request_too_big_for_the_budget_by_itself_does_not_wait():
+    """Waiting makes room only for what fits the router's budget of an engine: a request
+    bigger than that by itself goes at once (its engine queues it) instead of waiting for
+    its timeout behind requests that keep fitting."""
+    kv = KVBudget(idle_s=5.0, fill=0.5)
     kv.joined("e0", 10_000)
-    kv.dispatched("e0", None, 100, 100)  # something runs: the budget applies
-    assert kv.hold_limit_s() == 16.0 and KVBudget(idle_s=1.0).hold_limit_s() == HOLD_MIN_S
-    assert kv.room(["e0"], "big", 6_000, 100, waited_s=15.9) == []
-    assert kv.room(["e0"], "big", 6_000, 100, waited_s=16.0) == ["e0"]
+    kv.joined("e1", 20_000)
+    kv.dispatched("e0", None, 100, 100)  # something runs on both: the budget applies
+    kv.dispatched("e1", None, 100, 100)
+    h = kv.dispatched("e1", "live", 9_000, 100)
+    kv.ended("e1", "live", h)
+    # 7,000 fits e1's budget of 10,000 by itself but not next to its live history: it waits.
+    assert kv.budget("e1") == 10_000 and kv.room(["e0", "e1"], "big", 7_000, 0) == []
+    # 12,000 fits neither budget even alone: it goes.
+    assert kv.room(["e0", "e1"], "huge", 12_000, 0) == ["e0", "e1"]
+    kv.share = 0.5  # two routers: half the budget each
+    assert kv.room(["e0", "e1"], "big", 7_000, 0) == ["e0", "e1"]
 
 
 def test_a_cold_start_keeps_the_learned_pauses_and_stale_pauses_are_not_learned():
