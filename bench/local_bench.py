@@ -83,9 +83,11 @@ def main() -> None:
         table: dict = {}
         raw: dict = {}
 
-        def prepare(policy: str) -> None:
-            httpx.post(f"{url}/admin/reset", json={"policy": policy},
-                       timeout=60).raise_for_status()
+        def prepare(policy: str) -> bool | None:
+            r = httpx.post(f"{url}/admin/reset", json={"policy": policy}, timeout=60)
+            r.raise_for_status()
+            cold: bool | None = r.json().get("cold")
+            return cold
 
         run_matrix("rayattn", url, "smollm2", workloads, POLICIES, prepare, 8, 32, tok, 1,
                    None, table, raw)

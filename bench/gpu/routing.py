@@ -176,13 +176,19 @@ def reset_peers() -> list[tuple[int, bool]]:
 
     out = []
     for p in PEER_PORTS:
-        # reset_external: the host KV tier (--kv-offloading-size) too, as rayattn's reset does.
-        r = httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
-                       params={"reset_external": "true"}, timeout=60)
-        try:
-            ok = bool(r.json().get("success", True))
-        except ValueError:
-            ok = True
+        for attempt in range(4):  # asked again while it refuses, as rayattn's reset does
+            if attempt:
+                time.sleep(0.5)
+            # reset_external: the host KV tier (--kv-offloading-size) too.
+            r = httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
+                           params={"reset_external": "true"}, timeout=60)
+            try:
+                body = r.json()
+                ok = bool(body.get("success", True)) if isinstance(body, dict) else True
+            except ValueError:
+                ok = True
+            if ok and r.status_code == 200:
+                break
         out.append((r.status_code, ok and r.status_code == 200))
     return out
 

@@ -151,6 +151,7 @@ def _success(r: httpx.Response) -> bool:
     """vLLM's answer to /reset_prefix_cache: {"success": bool} (0.32), an empty 200
     (older)."""
     try:
-        return bool(r.json().get("success", True))
+        body = r.json()
     except ValueError:
         return True
+    return bool(body.get("success", True)) if isinstance(body, dict) else True

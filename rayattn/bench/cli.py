@@ -167,14 +167,15 @@ def cmd_bench(a: argparse.Namespace) -> int:
             url, startup = start_local(a.port, a.config)
             print(f"local deployment up in {startup:.1f}s at {url}")
 
-        def rayattn_policy(pol: str) -> bool:
+        def rayattn_policy(pol: str) -> bool | None:
             # "affinity@predicted", "affinity@load_slack=8": switched live with the reset.
             policy, settings = variant(pol)
             r = httpx.post(f"{url}/admin/reset", json={"policy": policy,
                                                        "settings": {**base, **settings}},
                            timeout=60)
             r.raise_for_status()
-            return bool(r.json().get("cold"))
+            cold: bool | None = r.json().get("cold")  # None: a router from before it said
+            return cold
 
         if not a.ingress:
             run_matrix("rayattn", url, a.model, workloads, policies, rayattn_policy,
@@ -185,7 +186,7 @@ def cmd_bench(a: argparse.Namespace) -> int:
             if a.target is not None:
                 raise SystemExit("--ingress redeploys the router: only with the local deployment")
 
-            def on_n_routers(pol: str, n: int = n) -> bool:
+            def on_n_routers(pol: str, n: int = n) -> bool | None:
                 # Every router replica must switch, so the setting goes through the Serve
                 # config (user_config reaches all of them); the reset then only empties the
                 # engines' caches, which every router's events index sees.

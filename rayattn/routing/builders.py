@@ -51,4 +51,5 @@ def new_kv_budget(settings: RoutingSettings, clock: Callable[[], float],
         kv.capacity, kv.running = members_of.capacity, members_of.running
         kv.host_tier = members_of.host_tier
         kv.keep_pauses(members_of)  # they describe the clients, not the caches
+        kv.share = members_of.share  # so do the router replicas
     return kv

@@ -216,10 +216,14 @@ class RoutingCore:
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
         self.kv.share = 1.0 / self.load.routers()
-        # A prefix other conversations left there (a system or tool prompt) adds nothing.
-        held, _ = self.index.match_tiers(route.keys)
-        cached = {r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
-                  for r in candidates}
+        # A prefix other conversations left there (a system or tool prompt) adds nothing;
+        # matched once per request (a held one looks again at every release).
+        cached = route.kv_cached
+        if cached is None or any(r not in cached for r in candidates):
+            held, _ = self.index.match_tiers(route.keys)
+            cached = route.kv_cached = {
+                r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
+                for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
                             cached)
 

@@ -151,9 +151,10 @@ class KVBudget:
         so a new ceiling applies at once)."""
         self._live: OrderedDict[str, _Conversation] = OrderedDict()
         """By last activity, oldest first."""
-        self._gone: OrderedDict[str, float] = OrderedDict()
-        """Conversations no longer live, by when they were last seen (the newest
-        GAPS_KEPT × 16): a turn that comes back after the window still teaches it."""
+        self._gone: OrderedDict[str, _Conversation] = OrderedDict()
+        """Conversations no longer live (the newest GAPS_KEPT × 16), as they were last: a
+        turn that comes back after the window still teaches it the pause, and keeps what
+        it shared on its engine (its own history there is not a prefix others left)."""
         self._gaps: deque[float] = deque(maxlen=GAPS_KEPT)
         self._new_gaps = 0
         self._window_s = IDLE_DEFAULT_S
@@ -208,8 +209,9 @@ class KVBudget:
         if session is None:
             return False
         conv = self._live.get(session)
-        last = self._gone.pop(session, None) if conv is None \
-            else None if conv.running else conv.last_seen
+        gone = self._gone.get(session) if conv is None else None  # dispatched() drops it
+        last = gone.last_seen if gone is not None \
+            else conv.last_seen if conv is not None and not conv.running else None
         if last is not None and self.idle_s is None:
             self._learn_gap(self._clock() - last)
         return conv is not None
@@ -249,7 +251,7 @@ class KVBudget:
         out = [r for r in candidates
                if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))]
         if not out and candidates and all(
-                self.adds(r, session, prompt_tokens, max_tokens, cached.get(r, 0))
+                self._need(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))
                 > self.budget(r) for r in candidates):
             return list(candidates)
         if conv is not None and conv.replica in candidates and conv.replica not in out:
@@ -260,25 +262,32 @@ class KVBudget:
             return []
         return out
 
+    def _need(self, r: str, conv: _Conversation | None, prompt_tokens: int,
+              max_tokens: int, cached_tokens: int) -> int:
+        """Tokens of `r`'s HBM the request takes: its prompt past what `r` caches (its
+        conversation's history there, a prefix others left), and its output; with a host
+        tier (protect `running`), its whole prompt: what the host tier holds is reloaded
+        into HBM blocks."""
+        if self._protects_running_only(r):
+            return prompt_tokens + max_tokens
+        return max(0, prompt_tokens - max(_held(conv, r), cached_tokens)) + max_tokens
+
     def _fits(self, r: str, conv: _Conversation | None, prompt_tokens: int,
               max_tokens: int, cached_tokens: int) -> bool:
         cap = self.capacity.get(r)
         if cap is None or not self.running[r]:
             return True
         if self._protects_running_only(r):
-            # Quiet histories are safe in the host tier: protect only those in use,
-            # and count the whole prompt (what the host tier holds is reloaded into
-            # HBM blocks).
+            # Quiet histories are safe in the host tier: protect only those in use.
             own = conv.own if conv is not None and conv.replica == r and \
                 conv.running else 0
             protected = self.active[r] - own
-            need = prompt_tokens + max_tokens
         else:
-            need = max(0, prompt_tokens - max(_held(conv, r), cached_tokens)) + max_tokens
             # A conversation live here only has to fit next to what runs: the live
             # histories are what admission protects from newcomers, not from each
             # other.
             protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
+        need = self._need(r, conv, prompt_tokens, max_tokens, cached_tokens)
         return self.running[r] + protected + need <= self.budget(r)
 
     def budget(self, replica: str) -> float:
@@ -308,7 +317,7 @@ class KVBudget:
             if continued is not None and continued[0] > 0:
                 self._expire()  # only a conversation live now teaches (room() expires too)
             conv = self._live.pop(session, None)
-            self._gone.pop(session, None)  # live again (arrived() may not have seen it)
+            gone = self._gone.pop(session, None)  # live again
             # A live conversation back at its engine with no turn of it in flight (an
             # earlier turn still running has not been indexed yet): was its history kept?
             if conv is not None and conv.replica == replica and not conv.running and \
@@ -319,8 +328,10 @@ class KVBudget:
                 if conv.running:
                     self.active[conv.replica] -= conv.own
             running = conv.running if conv is not None else 0
-            # What was cached there before it came is shared; at home it stays what it was.
-            shared = conv.shared if conv is not None and conv.replica == replica \
+            # What was cached there before it came is shared; back home (live or gone
+            # quiet) it stays what it was, the rest of what is cached being its own.
+            home = conv if conv is not None else gone
+            shared = home.shared if home is not None and home.replica == replica \
                 else min(cached_tokens, prompt_tokens)
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
@@ -375,7 +386,7 @@ class KVBudget:
             self.reserved[conv.replica] -= conv.own
             if self.idle_s is None:
                 self._gone.pop(s, None)  # newest last
-                self._gone[s] = conv.last_seen
+                self._gone[s] = conv
                 if len(self._gone) > GAPS_KEPT * 16:
                     self._gone.popitem(last=False)
 

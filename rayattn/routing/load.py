@@ -64,7 +64,7 @@ class LoadTracker:
         self.others[replica] = sum(n for o, n in by_origin.items() if o != self.origin)
         now = None
         for o, n in by_origin.items():
-            if n and o != self.origin:
+            if n and o and o != self.origin:  # "": a request no router sent
                 self._senders[o] = now = now or self._clock()
 
     def routers(self) -> int:

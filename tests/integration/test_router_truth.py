@@ -232,16 +232,22 @@ def test_index_mode_switches_live_and_predicts_from_its_own_source(server, reset
 
 def test_cache_pressure_admission_holds_requests_in_the_router(server, reset):
     """router.kv_admission as shipped (auto), live, with the engines' KV cache made tiny for
-    admission (kv_admission_fill): each engine runs one request at a time, the others wait
-    in the router (counted in /health) and are all served. Switched off, or with the
-    engines' real caches (the same burst fits them), nothing is held."""
+    admission (a set kv_admission_fill, a cap in every mode): each engine runs one request
+    at a time, the others wait in the router (counted in /health) and are all served.
+    Switched off, or with the engines' real caches (the same burst fits them), nothing is
+    held."""
+    def chat(tag: str, i: int) -> dict:
+        # A system message of its own: no prompt shares a cached block with another, so
+        # each adds all of its tokens to the budget.
+        return {"model": MODEL, "max_tokens": 8, "messages": [
+            {"role": "system", "content": f"{tag}-{i}: answer briefly."},
+            {"role": "user", "content": f"Say {tag} {i} twice."}]}
+
     async def burst(tag: str) -> list[int]:
         async with httpx.AsyncClient(timeout=120) as c:
             rs = await asyncio.gather(*(c.post(
                 f"{server}/v1/chat/completions", headers={"x-session-id": f"{tag}{i}"},
-                json={"model": MODEL, "max_tokens": 8,
-                      "messages": [{"role": "user", "content": f"Say {tag} {i} twice."}]})
-                for i in range(6)))
+                json=chat(tag, i)) for i in range(6)))
         return [r.status_code for r in rs]
 
     def held_in(tag: str, settings: dict) -> int:
@@ -255,7 +261,14 @@ def test_cache_pressure_admission_holds_requests_in_the_router(server, reset):
     names = ("kv_admission", "kv_admission_fill", "conversation_idle_s")
     shipped = {k: router_default(k) for k in names}
     assert shipped["kv_admission"] == "auto"
-    tiny = {**shipped, "kv_admission_fill": 1e-6, "conversation_idle_s": 0.5}
+    # A budget of 1.5 requests per engine: one fits by itself, two do not (a request
+    # bigger than the budget would not wait at all).
+    probe = httpx.post(f"{server}/v1/chat/completions", json=chat("probe", 0), timeout=120)
+    assert probe.status_code == 200, probe.text
+    need = probe.json()["usage"]["prompt_tokens"] + 8
+    engines = health(server)["engines"].values()
+    cache = min(e["kv_blocks"] * e["block_size"] for e in engines)
+    tiny = {**shipped, "kv_admission_fill": 1.5 * need / cache, "conversation_idle_s": 0.5}
     try:
         held = held_in("on", tiny)
         assert held >= 4, held  # six at once, two engines, one running on each

@@ -104,8 +104,9 @@ class Candidates:
                            wait_until: float, turn: tuple[str, int]) -> list[str]:
         """The candidates with KV room for `route`; while there are none, the request waits
         here, woken as requests end, continuing conversations first and in arrival order
-        within each class. The request's own timeout (router.request_timeout_s) bounds the
-        wait; one too big for the budget by itself does not wait (KVBudget.room)."""
+        within each class (a new conversation does not pass one that waits before it). The
+        request's own timeout (router.request_timeout_s) bounds the wait; one too big for
+        the budget by itself does not wait (KVBudget.room)."""
         # The first attempt's arrival teaches the budget the conversation's pause.
         kv = self.core.kv
         prio = 0 if (kv.is_live(route.session) if tried else kv.arrived(route.session)) \
@@ -117,7 +118,7 @@ class Candidates:
                 candidates = await self._open(route, tried, wait_until, turn)
                 if not self.core.settings.kv_admission:
                     return candidates  # switched off while this request waited
-                room = self.core.kv_room(route, candidates)
+                room = [] if self._behind(prio, seq) else self.core.kv_room(route, candidates)
                 if room:
                     if seq in self._kv_waiters:
                         self._counts["kv_held"] += 1
@@ -134,6 +135,12 @@ class Candidates:
                     await asyncio.wait_for(wake, KV_RECHECK_S)
         finally:
             self._kv_waiters.pop(seq, None)
+
+    def _behind(self, prio: int, seq: int) -> bool:
+        """A request of a new conversation waits behind those that came before it and
+        still wait, so a bigger one is not passed for ever by smaller ones (continuing
+        conversations go first and need only their new tokens)."""
+        return prio == 1 and any(p == 1 and s < seq for s, (p, _) in self._kv_waiters.items())
 
     def released(self) -> None:
         """Load was released: every request held for KV room looks again, in priority order

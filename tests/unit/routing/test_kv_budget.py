@@ -501,3 +501,35 @@ def test_the_core_counts_what_the_index_holds_of_a_new_session_as_shared():
     route = core.request(tools + [60_000] * 3_000, session="s2")
     route.max_tokens = 10
     assert core.kv_room(route, ["e0"]) == ["e0"]  # 3,808 + 20 + 3,010 ≤ 8,000
+
+
+def test_a_conversation_back_after_its_window_keeps_what_it_shared():
+    """Its own history is cached on its engine when it comes back after going quiet: that
+    is not a prefix others left, so it is reserved for it again (only what it shared when
+    it first came is not)."""
+    now = [0.0]
+    kv = KVBudget(clock=lambda: now[0])  # learned window: 5 s at first
+    kv.joined("e0", 100_000)
+    kv.arrived("a")
+    h = kv.dispatched("e0", "a", 4_000, 100, cached_tokens=1_000)  # 1,000 shared
+    kv.finished("e0", "a", 4_100)
+    kv.ended("e0", "a", h)
+    assert kv.reserved["e0"] == 3_100
+    now[0] = 30.0
+    assert not kv.is_live("a") and kv.reserved["e0"] == 0
+    kv.arrived("a")
+    kv.dispatched("e0", "a", 4_500, 100, cached_tokens=4_096)  # its own history cached
+    assert kv.reserved["e0"] == 3_500
+
+
+def test_with_a_host_tier_a_prompt_bigger_than_the_budget_goes_at_once():
+    """On a host-tier engine a request needs its whole prompt in HBM: one bigger than the
+    budget by itself cannot be made room for, whatever of it is cached."""
+    kv = KVBudget(idle_s=5.0, fill=0.5)
+    kv.joined("host", 10_000, host_tier=True)
+    h = kv.dispatched("host", "a", 4_000, 100)
+    kv.dispatched("host", "b", 4_000, 100)  # b's turn runs
+    kv.finished("host", "a", 4_100)
+    kv.ended("host", "a", h)
+    assert kv.room(["host"], "a", 4_500, 100, cached={"host": 4_096}) == []  # waits for b
+    assert kv.room(["host"], "a", 5_500, 100, cached={"host": 4_096}) == ["host"]

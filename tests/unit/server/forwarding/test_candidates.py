@@ -131,3 +131,32 @@ def test_a_pinned_continuation_goes_home_or_is_a_404_naming_the_field():
     with pytest.raises(APIError) as e:
         get(c, route(pinned="e2"))
     assert e.value.status == 404 and e.value.param == "previous_response_id"
+
+
+def test_a_new_conversation_held_for_kv_room_is_not_passed_by_a_later_one():
+    """Cache-pressure admission: a new conversation that fits does not take the room one
+    that came before it waits for (a big one would otherwise wait for its timeout while
+    smaller ones keep fitting); it goes once the earlier one has gone."""
+    from rayattn.routing.kv_budget import KVBudget
+
+    room = {"big": [], "small": ["e0"]}
+    core = SimpleNamespace(settings=SimpleNamespace(kv_admission="auto"),
+                           load=SimpleNamespace(local={}), kv=KVBudget(idle_s=5.0),
+                           kv_room=lambda r, candidates: room[r.session])
+    c = Candidates(core, Fleet(["e0"]), FairQueue(), lambda: 10, [].append,
+                   {"kv_held": 0, "kv_held_s": 0.0})
+
+    async def main() -> None:
+        big = asyncio.create_task(c.get(route(session="big"), set(), time.monotonic(),
+                                        ("", 0)))
+        await asyncio.sleep(0.05)
+        small = asyncio.create_task(c.get(route(session="small"), set(), time.monotonic(),
+                                          ("", 0)))
+        await asyncio.sleep(0.05)
+        assert not big.done() and not small.done()  # small fits, but big came first
+        room["big"] = ["e0"]
+        c.released()
+        assert await asyncio.wait_for(big, 2) == ["e0"]
+        assert await asyncio.wait_for(small, 2) == ["e0"]
+
+    asyncio.run(main())
