@@ -18,9 +18,11 @@ router keeps, per engine, the tokens of
 and admits a new conversation (or one moving in) only where running + live histories + what
 it adds fits the engine's KV capacity, and a live conversation's next turn where running +
 its new tokens fit: continuing conversations get in first, new ones wait until a
-conversation goes quiet. (Live histories that outgrow the cache by themselves still evict
-each other; admission only stops newcomers from adding to that.) An engine with nothing
-running admits anything (progress).
+conversation goes quiet, in the order they came. (Live histories that outgrow the cache by
+themselves still evict each other; admission only stops newcomers from adding to that.) An
+engine with nothing running admits anything, and a request bigger than the budget by itself
+goes at once (progress). Several router replicas each budget their share of every cache:
+the front door spreads sessions evenly over them, and each sees only its own.
 
 An engine with a host-memory KV tier (engine.kv_offload) keeps the histories of quiet
 conversations there: evicting them from HBM costs a reload (a copy, a fraction of a
@@ -47,7 +49,7 @@ By default (router.kv_admission: auto) the ceiling is where an engine's fill sta
 where it stops: while its live conversations come back to find their histories kept, the
 fill climbs on past the ceiling, up to the whole cache, so a fleet whose histories fit holds
 nothing back for long; one history lost brings the fill back under the ceiling at once.
-`true` keeps the ceiling as a cap. The start is cautious because the first wave of
+`true`, or a set fill, keeps the ceiling as a cap. The start is cautious because the first wave of
 conversations is admitted before any of them comes back to say what growth did (the
 benchmark's 16 or 128 conversations start at once).
 
@@ -56,8 +58,8 @@ A conversation is live for `idle_s` after its last turn; unset (the default), fo
 clients' think time, learned), within [IDLE_MIN_S, IDLE_MAX_S]: a history is protected as
 long as its next turn is likely still to come, not a fixed guess longer.
 
-Pure bookkeeping: the dispatcher (rayattn/server/dispatch.py) holds waiting requests and
-wakes them, continuing conversations first, when load is released.
+Pure bookkeeping: the server (rayattn/server/forwarding/candidates.py) holds waiting
+requests and wakes them, continuing conversations first, when load is released.
 """
 
 from __future__ import annotations
