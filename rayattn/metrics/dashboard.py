@@ -88,6 +88,10 @@ PANELS: list[Panel] = [
           ((f"sum(rate(ray_vllm_kv_offload_store_time_total{{{VSEL}}}[1m]))", "offload"),
            (f"sum(rate(ray_vllm_kv_offload_load_time_total{{{VSEL}}}[1m]))", "reload")),
           unit="percentunit", host_tier=True),
+    Panel("Cache-pressure admission: each engine's fill (of this router's share), requests "
+          "waiting for KV room",
+          ((f"min by (target) (ray_rayattn_router_admission_fill{{{SEL}}})", "fill {{target}}"),
+           (f"sum(ray_rayattn_router_kv_waiting{{{SEL}}})", "waiting")), unit="short"),
     Panel("In-flight requests per replica",
           ((f'max by (target) (ray_rayattn_router_inflight{{{SEL}}})', "{{target}}"),),
           unit="short"),
@@ -162,6 +166,12 @@ ALERTS: list[Alert] = [
           "min by (model) (ray_rayattn_router_replicas_up)",
           " > 0", "2m", "An engine replica Serve runs is not serving",
           "Check the Serve controller logs and the engine replica's health check."),
+    # Admission holds new conversations while live histories fill the caches: brief waits
+    # are the feature; a queue that never drains is a fleet too small for its histories.
+    Alert("RayattnKVRoomWait", "sum by (model) (ray_rayattn_router_kv_waiting)",
+          " > 0", "10m", "Requests have waited in the router for KV room for 10 minutes",
+          "Live conversations' histories fill the engines' KV caches: add engines, a host "
+          "KV tier (engine.kv_offload) or fp8 KV (attention.kv_cache_dtype)."),
 ]
 
 

@@ -1,5 +1,6 @@
 """Router-side metrics: decisions by reason, predicted vs actual cached tokens (the drift the
-index makes), in-flight load per replica and fleet imbalance, retries and failures."""
+index makes), in-flight load per replica and fleet imbalance, cache-pressure admission (its
+fill per engine, requests waiting for KV room), retries and failures."""
 
 from __future__ import annotations
 
@@ -39,6 +40,15 @@ class RouterMetrics:
                                  "Prompt tokens routed", tag_keys=keys)
         self.inflight = rm.Gauge("rayattn_router_inflight", "In-flight requests per replica",
                                  tag_keys=(*keys, "target"))
+        self.kv_waiting = rm.Gauge(
+            "rayattn_router_kv_waiting",
+            "Requests waiting in the router for KV room (cache-pressure admission)",
+            tag_keys=keys)
+        self.admission_fill = rm.Gauge(
+            "rayattn_router_admission_fill",
+            "The share of each engine's KV cache cache-pressure admission admits up to from "
+            "this router (its fill times this router's share of the cache)",
+            tag_keys=(*keys, "target"))
         self.imbalance = rm.Gauge("rayattn_router_imbalance",
                                   "max/mean in-flight requests across live replicas",
                                   tag_keys=keys)
@@ -91,15 +101,21 @@ class RouterMetrics:
         self.e2e.observe(seconds, self.base)
 
     def load(self, inflight: dict[str, int], replicas: list[str], imbalance: float,
-             up: int, members: int, blocks: dict[str, tuple[int, int]] | None = None) -> None:
+             up: int, members: int, blocks: dict[str, tuple[int, int]] | None = None,
+             fills: dict[str, float] | None = None, kv_waiting: int = 0) -> None:
         """`replicas`: the live routing targets (engine replicas, or DP ranks of one);
         `up` / `members`: engine replicas up / in the deployment; `blocks`: per target, the
-        index's (gpu, cpu) tier blocks."""
+        index's (gpu, cpu) tier blocks; `fills`: per target, cache-pressure admission's
+        fill of this router's share (None: admission off); `kv_waiting`: requests held for
+        KV room now."""
         for r in replicas:
             self.inflight.set(inflight.get(r, 0), {**self.base, "target": r})
             gpu, cpu = (blocks or {}).get(r, (0, 0))
             self.index_blocks.set(gpu, {**self.base, "target": r, "tier": "gpu"})
             self.index_blocks.set(cpu, {**self.base, "target": r, "tier": "cpu"})
+            if fills is not None:
+                self.admission_fill.set(fills.get(r, 0.0), {**self.base, "target": r})
+        self.kv_waiting.set(kv_waiting, self.base)
         self.imbalance.set(imbalance, self.base)
         self.replicas_up.set(up, self.base)
         self.replicas.set(members, self.base)
@@ -107,5 +123,6 @@ class RouterMetrics:
     def left(self, replica: str) -> None:
         # A replica that left (scale-down, update) keeps no stale in-flight value or blocks.
         self.inflight.set(0, {**self.base, "target": replica})
+        self.admission_fill.set(0, {**self.base, "target": replica})
         for tier in ("gpu", "cpu"):
             self.index_blocks.set(0, {**self.base, "target": replica, "tier": tier})

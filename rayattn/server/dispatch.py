@@ -109,9 +109,13 @@ class Dispatcher:
             if self.metrics is not None:
                 live = self.fleet.live_targets()
                 load, index = self.core.load, self.core.index
+                kv = self.core.kv
+                fills = {r: kv.fill_of(r) * kv.share for r in live} \
+                    if self.core.settings.kv_admission else None
                 self.metrics.load(dict(load.inflight.items()), live, load.imbalance(live),
                                   len(self.live()), len(self.fleet.members),
-                                  {r: (index.size(r), index.offloaded(r)) for r in live})
+                                  {r: (index.size(r), index.offloaded(r)) for r in live},
+                                  fills, self.candidates.kv_waiting)
             await asyncio.sleep(self.fleet.replicas.period_s)
 
     # --- settings -----------------------------------------------------------------------
@@ -154,7 +158,10 @@ class Dispatcher:
                               {**self.counts, **self.gates.counts()},
                               status.engines(self.fleet, core,
                                              bool(self.core.settings.kv_admission)),
-                              core.regret_tokens, core.session_moves, self.feeds.syncing())
+                              core.regret_tokens, core.session_moves, self.feeds.syncing(),
+                              {"share": round(self.core.kv.share, 4),
+                               "window_s": round(self.core.kv.window_s, 2)}
+                              if self.core.settings.kv_admission else None)
 
     def stream_interval_s(self) -> float:
         """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when

@@ -57,6 +57,9 @@ class RouterSnapshot:
     session_moves: dict[str, int] = field(default_factory=dict)
     syncing: list[str] = field(default_factory=list)
     """Targets up whose KV event view is still being taken (kv_feeds.SYNC_GRACE_S)."""
+    admission: dict[str, Any] | None = None
+    """Cache-pressure admission as this router runs it (None: off): its share of every
+    engine's cache (1 / the routers sending to them) and the live window in seconds."""
 
 
 def engines(fleet: FleetView, core: CoreSnapshot, kv_admission: bool

@@ -136,6 +136,11 @@ class Candidates:
         finally:
             self._kv_waiters.pop(seq, None)
 
+    @property
+    def kv_waiting(self) -> int:
+        """Requests waiting for KV room now."""
+        return len(self._kv_waiters)
+
     def _behind(self, prio: int, seq: int) -> bool:
         """A request of a new conversation waits behind those that came before it and
         still wait, so a bigger one is not passed for ever by smaller ones (continuing

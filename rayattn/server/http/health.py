@@ -101,7 +101,9 @@ class Health:
                        **_summed(r.render_counts() for r in self.bases)},
             "regret_tokens": _summed(s.regret_tokens for s in snaps.values()),
             "session_moves": _summed(s.session_moves for s in snaps.values()),
-            "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()}}
+            "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()},
+            # Cache-pressure admission (the first model's: one router, one front door).
+            "admission": first.admission}
         if len(snaps) > 1:
             out["models"] = {n: {"up": len(s.replicas_up), "of": s.replicas,
                                  "engines": sorted(s.engines)} for n, s in snaps.items()}
