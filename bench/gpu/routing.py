@@ -170,27 +170,11 @@ def peer_counts() -> list[float]:
 
 
 def reset_peers() -> list[tuple[int, bool]]:
-    """(status, emptied) per peer engine: vLLM 0.32 answers {"success": bool} (False while
-    blocks are in use), vLLM 0.25 an empty 200."""
-    import httpx
+    """(status, emptied) per peer engine (bench/peers/vllm_router.py reset_engine)."""
+    from rayattn.bench.cli import PEER_MODULES, peer_module
 
-    out = []
-    for p in PEER_PORTS:
-        for attempt in range(4):  # asked again while it refuses, as rayattn's reset does
-            if attempt:
-                time.sleep(0.5)
-            # reset_external: the host KV tier (--kv-offloading-size) too.
-            r = httpx.post(f"http://127.0.0.1:{p}/reset_prefix_cache",
-                           params={"reset_external": "true"}, timeout=60)
-            try:
-                body = r.json()
-                ok = bool(body.get("success", True)) if isinstance(body, dict) else True
-            except ValueError:
-                ok = True
-            if ok and r.status_code == 200:
-                break
-        out.append((r.status_code, ok and r.status_code == 200))
-    return out
+    reset = peer_module(PEER_MODULES["vllm-router"]).reset_engine
+    return [reset(f"http://127.0.0.1:{p}") for p in PEER_PORTS]
 
 
 def chat(url: str, name: str, words: int, tag: str) -> dict:

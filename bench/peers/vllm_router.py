@@ -86,20 +86,7 @@ class PeerStack:
         """Empty every engine's prefix cache and host tier; whether all of them did (vLLM
         refuses while blocks are in use: each is asked a few times, as rayattn's reset
         does)."""
-        emptied = True
-        for url in self.urls:
-            for attempt in range(4):
-                if attempt:
-                    time.sleep(0.5)
-                # reset_external: the host KV tier too (vllm serve --kv-offloading-size).
-                r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"},
-                               timeout=60)
-                r.raise_for_status()
-                if _success(r):
-                    break
-            else:
-                emptied = False
-        return emptied
+        return all([reset_engine(url)[1] for url in self.urls])
 
     def stop_router(self) -> None:
         if self.router is not None:
@@ -147,11 +134,21 @@ def end_group(p: subprocess.Popen, grace: float = 20) -> None:
         pass
 
 
-def _success(r: httpx.Response) -> bool:
-    """vLLM's answer to /reset_prefix_cache: {"success": bool} (0.32), an empty 200
-    (older)."""
-    try:
-        body = r.json()
-    except ValueError:
-        return True
-    return bool(body.get("success", True)) if isinstance(body, dict) else True
+def reset_engine(url: str) -> tuple[int, bool]:
+    """Empty one `vllm serve`'s prefix cache and host KV tier (reset_external: vllm serve
+    --kv-offloading-size), asked again while it refuses, as rayattn's /admin/reset does:
+    (HTTP status, whether it emptied). vLLM 0.32 answers {"success": bool} (False while
+    blocks are in use), older versions an empty 200."""
+    for attempt in range(4):
+        if attempt:
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/reset_prefix_cache", params={"reset_external": "true"},
+                       timeout=60)
+        r.raise_for_status()
+        try:
+            body = r.json()
+        except ValueError:
+            body = None
+        if not isinstance(body, dict) or body.get("success", True):
+            return r.status_code, True
+    return r.status_code, False

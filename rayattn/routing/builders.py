@@ -40,16 +40,17 @@ class PolicyBuilder:
 
 
 def new_kv_budget(settings: RoutingSettings, clock: Callable[[], float],
-                  members_of: KVBudget | None = None) -> KVBudget:
+                  routers: Callable[[], int], members_of: KVBudget | None = None
+                  ) -> KVBudget:
     """Cache-pressure admission's bookkeeping, empty but for the members (capacities,
     running requests, host tiers) and the learned pauses of `members_of`: a cold start
     empties the engines' caches, not their membership, the requests they run or the
     clients' think time."""
     kv = KVBudget(settings.conversation_idle_s, settings.kv_admission_fill, clock,
-                  settings.kv_admission_protect, climbs=settings.kv_admission == "auto")
+                  settings.kv_admission_protect, climbs=settings.kv_admission == "auto",
+                  routers=routers)
     if members_of is not None:
         kv.capacity, kv.running = members_of.capacity, members_of.running
         kv.host_tier = members_of.host_tier
         kv.keep_pauses(members_of)  # they describe the clients, not the caches
-        kv.share = members_of.share  # so do the router replicas
     return kv

@@ -80,7 +80,7 @@ class RoutingCore:
         self.decisions = DecisionLog()
         self.regret_tokens = self.decisions.regret_tokens
         self.session_moves = self.decisions.session_moves
-        self.kv = new_kv_budget(settings, clock)
+        self.kv = new_kv_budget(settings, clock, self.load.routers)
         """Cache-pressure admission's bookkeeping (the dispatcher gates on it when
         router.kv_admission is on)."""
 
@@ -135,7 +135,6 @@ class RoutingCore:
         """An engine's in-flight requests per sending router (probe reply or chunk)."""
         if name in self.routable:
             self.load.reported(name, by_origin, stamp)
-            self.kv.share = 1.0 / self.load.routers()
 
     # --- one request --------------------------------------------------------------------
     def request(self, token_ids: list[int], session: str | None = None,
@@ -215,7 +214,6 @@ class RoutingCore:
         """The candidates that can take `route` now without pushing a live conversation's
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
-        self.kv.share = 1.0 / self.load.routers()
         # A prefix other conversations left there (a system or tool prompt) adds nothing;
         # matched once per request (a held one looks again at every release).
         cached = route.kv_cached
@@ -261,7 +259,8 @@ class RoutingCore:
         self.policy = self._policies.build(self.settings.policy, self.settings, self.index,
                                            self.block_size)
         self.decisions.clear()
-        self.kv = new_kv_budget(self.settings, self._clock, members_of=self.kv)
+        self.kv = new_kv_budget(self.settings, self._clock, self.load.routers,
+                                members_of=self.kv)
         return self.policy.name
 
     def snapshot(self) -> CoreSnapshot:

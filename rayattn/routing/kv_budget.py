@@ -124,15 +124,13 @@ class _Conversation:
 class KVBudget:
     def __init__(self, idle_s: float | None = None, fill: float | None = None,
                  clock: Callable[[], float] = time.monotonic, protect: str = "auto",
-                 climbs: bool = False) -> None:
-        """`climbs`: router.kv_admission auto (see the module doc)."""
+                 climbs: bool = False, routers: Callable[[], int] = lambda: 1) -> None:
+        """`climbs`: router.kv_admission auto (see the module doc); `routers`: the router
+        replicas sending to the engines, this one included (LoadTracker.routers)."""
         self.idle_s, self._clock = idle_s, clock
         """router.conversation_idle_s (None: learned, see window_s)."""
         self.climbs = climbs
-        self.share = 1.0
-        """The share of every engine's cache this router budgets: 1 / the router replicas
-        sending to the engines (the front door spreads sessions evenly over them; each sees
-        only its own conversations and requests)."""
+        self.routers = routers
         self.fill = fill
         """router.kv_admission_fill: the ceiling of every engine's fill (None: by its tier,
         see ceiling())."""
@@ -194,6 +192,13 @@ class KVBudget:
         if not (self.climbs and self.fill is None):
             backoff = min(backoff, 1.0)  # a cap again (switched live from auto)
         return max(min(FILL_FLOOR, top), top * backoff)
+
+    @property
+    def share(self) -> float:
+        """The share of every engine's cache this router budgets: 1 / the router replicas
+        sending to the engines (the front door spreads sessions evenly over them; each sees
+        only its own conversations and requests)."""
+        return 1.0 / self.routers()
 
     @property
     def window_s(self) -> float:

@@ -428,7 +428,7 @@ def test_a_request_too_big_for_the_budget_by_itself_does_not_wait():
     assert kv.budget("e1") == 10_000 and kv.room(["e0", "e1"], "big", 7_000, 0) == []
     # 12,000 fits neither budget even alone: it goes.
     assert kv.room(["e0", "e1"], "huge", 12_000, 0) == ["e0", "e1"]
-    kv.share = 0.5  # two routers: half the budget each
+    kv.routers = lambda: 2  # two routers: half the budget each
     assert kv.room(["e0", "e1"], "big", 7_000, 0) == ["e0", "e1"]
 
 
