@@ -147,10 +147,6 @@ class EngineInfo:
     """(pid, change counter) of the in-flight counts, here and in `ranks`."""
     direct: DirectAddress | None = None
     """The replica's own endpoint for the direct transport (None: it has none)."""
-    autoscaled: bool = False
-    """Serve may change the engine deployment's replica count under load (as Serve's
-    controller has its bounds now, a live change included): its autoscaler counts only the
-    calls Serve carries, so routers keep to Serve's channel."""
 
     @property
     def dp_ranks(self) -> int:

@@ -19,7 +19,6 @@ from rayattn import compat, logs
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan, frontend_kwargs
 from rayattn.engine import cpu_priority, reaper, wire
-from rayattn.engine.autoscaled import AutoscaledFlag
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.inflight import InflightCounts
 from rayattn.engine.kv_mirror import node_ip
@@ -83,7 +82,6 @@ class EngineReplica:
         self.inflight = InflightCounts()
         self.openai = LazyOpenAILayer(self._build_openai)
         self._direct: DirectServer | None = None
-        self._autoscaled = AutoscaledFlag()
         self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
                                                                exclude={self._reaper.pid}))
         log.info("engine %s ready: %s", self.replica_id, self._facts)
@@ -120,7 +118,7 @@ class EngineReplica:
                           placement_group=devices["placement_group"],
                           worker_placement_groups=devices["worker_placement_groups"],
                           unfinished=self.engine.output_processor.get_num_unfinished_requests(),
-                          direct=direct, autoscaled=await self._autoscaled.get(),
+                          direct=direct,
                           **self.inflight.report())
 
     async def _direct_address(self) -> DirectAddress | None:

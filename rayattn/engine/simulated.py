@@ -26,7 +26,6 @@ from rayattn.config.architecture import local_model_dir
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan
 from rayattn.engine import wire
-from rayattn.engine.autoscaled import AutoscaledFlag
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.inflight import InflightCounts
 from rayattn.engine.kv_mirror import TOPIC, KVMirror, node_ip, private_ipc_endpoints
@@ -80,7 +79,6 @@ class SimulatedEngineReplica:
         self._wake = asyncio.Event()
         self._loop_task: asyncio.Task | None = None
         self._direct: DirectServer | None = None
-        self._autoscaled = AutoscaledFlag()
         self.load_signals = LoadSignals()
         from vllm.distributed.kv_events import ZmqEventPublisher
 
@@ -108,7 +106,7 @@ class SimulatedEngineReplica:
                                                   self.mirror.server_key.decode())
         return EngineInfo(**self._facts, rank=self.rank, ranks=[rank],
                           unfinished=self.core.unfinished, direct=await self._direct_address(),
-                          autoscaled=await self._autoscaled.get(), **self.inflight.report())
+                          **self.inflight.report())
 
     async def _direct_address(self) -> DirectAddress | None:
         if self._direct is None:

@@ -34,6 +34,7 @@ from rayattn.server.background import detached
 from rayattn.server.errors import PROMPT_FIELD, APIError, EngineFailure, engine_raised
 from rayattn.server.fleet import status
 from rayattn.server.fleet.adapters import AdapterRegistry
+from rayattn.server.fleet.autoscaling import EngineAutoscaling
 from rayattn.server.fleet.replica_set import failure
 from rayattn.server.fleet.status import RouterSnapshot
 from rayattn.server.fleet.view import FleetView
@@ -85,8 +86,10 @@ class Dispatcher:
                                on_join=self.gates.fair.wake_all,
                                on_leave=lambda replica: self.transport.forget(replica))
         self.feeds = self.fleet.feeds
+        self.autoscaling = EngineAutoscaling(engines.app_name, engines.deployment_name)
         self.transport = EngineTransport(engines, self.fleet.info,
-                                         lambda: self.cfg.router.engine_transport, self.counts)
+                                         lambda: self.cfg.router.engine_transport, self.counts,
+                                         lambda: self.autoscaling.now)
         self.candidates = Candidates(self.core, self.fleet, self.gates.fair,
                                      lambda: self.cfg.serve.max_ongoing_requests,
                                      self._reject, self.counts)
@@ -106,6 +109,7 @@ class Dispatcher:
     async def _report_loop(self) -> None:
         while True:
             self.feeds.restart_stale()
+            self.autoscaling.poll()
             if self.metrics is not None:
                 live = self.fleet.live_targets()
                 load, index = self.core.load, self.core.index
@@ -161,7 +165,8 @@ class Dispatcher:
                               core.regret_tokens, core.session_moves, self.feeds.syncing(),
                               {"share": round(self.core.kv.share, 4),
                                "window_s": round(self.core.kv.window_s, 2)}
-                              if self.core.settings.kv_admission else None)
+                              if self.core.settings.kv_admission else None,
+                              self.autoscaling.now)
 
     def stream_interval_s(self) -> float:
         """How often a new stream may send a chunk: `stream_interval_ms`, or coarser when

@@ -187,11 +187,11 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             one = _wait("scale-down to one replica while idle",
                         lambda: (h := _health(server))["replicas"] == 1 and
                         len(h["replicas_up"]) == 1 and h["replicas_up"], 120)
-            # The router has heard from the engine that Serve now autoscales it (its
-            # replica asks Serve's controller, at most every few seconds, more slowly on a
-            # busy machine): from here on no call may bypass Serve's channel.
-            _wait("the router told the engines autoscale", lambda: all(
-                e["autoscaled"] for e in _health(server)["engines"].values()), 60)
+            # The router has heard from Serve's controller that the engines are autoscaled
+            # (it asks every few seconds, more slowly on a busy machine): from here on no
+            # call may bypass Serve's channel.
+            _wait("the router told the engines autoscale",
+                  lambda: _health(server)["engines_autoscaled"], 60)
         with Load(server, streams=8) as load:
             t_load = time.time()
             # Over Serve's channel (the direct transport is for fixed engine counts: Serve's

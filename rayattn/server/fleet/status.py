@@ -35,9 +35,6 @@ class EngineStatus:
     """The LoRA adapters its engine answers to."""
     engine_rank: int | None = None
     """The DP rank inside the engine this target is (None: the replica as a whole)."""
-    autoscaled: bool | None = None
-    """Whether its replica last said Serve autoscales the deployment, so calls to it keep to
-    Serve's channel (None: no answer yet)."""
 
 
 @dataclass
@@ -60,6 +57,9 @@ class RouterSnapshot:
     admission: dict[str, Any] | None = None
     """Cache-pressure admission as this router runs it (None: off): its share of every
     engine's cache (1 / the routers sending to them) and the live window in seconds."""
+    autoscaled: bool = False
+    """Whether Serve autoscales the engine deployment, as the router last heard from Serve's
+    controller: calls then keep to Serve's channel (server/fleet/autoscaling.py)."""
 
 
 def engines(fleet: FleetView, core: CoreSnapshot, kv_admission: bool
@@ -90,5 +90,4 @@ def _status(fleet: FleetView, r: Replica, n: str, core: CoreSnapshot,
         info.backend if info else None, info.block_size if info else None,
         info.engine_pids if info else [],
         devices(info, len(names), i) if info else [], cache_view,
-        sorted(info.adapters) if info else [], rank,
-        info.autoscaled if info else None)
+        sorted(info.adapters) if info else [], rank)

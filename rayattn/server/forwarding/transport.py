@@ -25,12 +25,14 @@ UNREACHABLE_S = 60.0
 
 class EngineTransport:
     def __init__(self, engines: Any, info: Callable[[str], EngineInfo | None],
-                 transport: Callable[[], str], counts: dict[str, float]) -> None:
+                 transport: Callable[[], str], counts: dict[str, float],
+                 autoscaled: Callable[[], bool]) -> None:
         """`engines`: the engine deployment's handle; `info(replica)`: what its last probe
         said; `transport()`: router.engine_transport now (a live setting); `counts`: the
-        router's, where direct calls are counted."""
+        router's, where direct calls are counted; `autoscaled()`: whether Serve autoscales
+        the engine deployment now (server/fleet/autoscaling.py)."""
         self._engines = engines
-        self._info, self._transport = info, transport
+        self._info, self._transport, self._autoscaled = info, transport, autoscaled
         self._counts = counts
         self._direct = DirectClient()
         self._streaming: tuple[str, Any] | None = None  # (transport, streaming handle)
@@ -43,11 +45,11 @@ class EngineTransport:
     async def call(self, replica: str, req: OpenAIRequest) -> AsyncGenerator[Reply, None]:
         """One call's replies, over the direct transport where it is chosen and the replica
         offers it, else over Serve's channel."""
-        if self._transport() == "direct":
+        # An autoscaled deployment keeps to Serve's channel: Serve's autoscaler counts only
+        # the calls it carries, and would never see this load.
+        if self._transport() == "direct" and not self._autoscaled():
             info = self._info(replica)
-            # An autoscaled deployment keeps to Serve's channel: Serve's autoscaler counts
-            # only the calls it carries, and would never see this load.
-            address = info.direct if info is not None and not info.autoscaled else None
+            address = info.direct if info is not None else None
             body = wire.encode_request(req) if address is not None else None
             shunned = self._unreachable.get(replica)
             if address is not None and body is not None and not (

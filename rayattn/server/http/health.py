@@ -103,10 +103,14 @@ class Health:
             "session_moves": _summed(s.session_moves for s in snaps.values()),
             "engines": {n: asdict(e) for s in snaps.values() for n, e in s.engines.items()},
             # Cache-pressure admission (the first model's: one router, one front door).
-            "admission": first.admission}
+            "admission": first.admission,
+            # Calls to an engine deployment Serve autoscales keep to Serve's channel.
+            "engines_autoscaled": any(s.autoscaled for s in snaps.values())}
         if len(snaps) > 1:
             out["models"] = {n: {"up": len(s.replicas_up), "of": s.replicas,
-                                 "engines": sorted(s.engines)} for n, s in snaps.items()}
+                                 "engines": sorted(s.engines),
+                                 "engines_autoscaled": s.autoscaled}
+                             for n, s in snaps.items()}
         return out
 
 
