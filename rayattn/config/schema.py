@@ -356,6 +356,16 @@ class RouterConfig(RouterFields, _Strict):
     through `RouterFields`, flat as before; the core runs on `routing_settings()`. The
     fields below are the server's own."""
 
+    warm_engines: bool = True
+    """An engine replica that joins while others serve (autoscaling, a rolling update, a
+    replacement) is held out of routing until the prefixes this router's recent
+    conversations share are prefilled on it (within a quarter of its KV cache); the live
+    conversations of one that leaves the deployment (scale-down, an update) are prefilled,
+    one at a time, where their next turns will go (within half of the staying engines'
+    caches). routing/warm_plan.py."""
+    warm_timeout_s: float = Field(20.0, gt=0)
+    """Longest a joining replica is held out of routing while it is warmed (it then serves
+    cold), and longest one move's prefill may take."""
     stream_interval_ms: float = Field(20.0, ge=0)
     """Streaming: after the first token, output is sent on in chunks at most this often
     (tokens generated meanwhile are merged). Each chunk is one message through the engine

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
 
@@ -36,7 +37,7 @@ from rayattn.engine.protocol import (
 )
 from rayattn.integrations import patches
 from rayattn.integrations.devices import engine_device_info
-from rayattn.integrations.vllm_engine import engine_crash_types
+from rayattn.integrations.vllm_engine import engine_crash_types, prefill
 from rayattn.integrations.vllm_openai import lora_modules
 from rayattn.metrics import tracing
 from rayattn.metrics.engine_metrics import EngineMetrics
@@ -208,6 +209,21 @@ class EngineReplica:
             for mirror, mark in zip(self.kv_mirrors, marks, strict=True):
                 mirror.reset(mark)
         return done
+
+    async def prefill(self, target: str | None, token_ids: list[int],
+                      engine_rank: int | None = None, cache_salt: str | None = None) -> int:
+        """Compute and cache the KV of `token_ids` (on DP rank `engine_rank`): routers warm
+        a joining engine with the prefixes many conversations share, and prefill a leaving
+        engine's conversations where their next turns will go (routing/warm_plan.py).
+        Returns the tokens it found cached already."""
+        self._pinned(target)
+        if self.engine.errored:
+            raise EngineDown(f"engine of {self.replica_id} is dead")
+        if engine_rank is not None and not 0 <= engine_rank < self.dp_ranks:
+            raise RuntimeError(f"engine of {self.replica_id} has no DP rank {engine_rank}")
+        with self.inflight.counting(engine_rank, ""):  # no router's own request
+            return await prefill(self.engine, token_ids, f"warm-{uuid.uuid4().hex}",
+                                 engine_rank, cache_salt)
 
     async def _build_openai(self) -> OpenAILayer:
         frontend = frontend_kwargs(self.cfg)

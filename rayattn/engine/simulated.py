@@ -215,6 +215,17 @@ class SimulatedEngineReplica:
         self._wake.set()
         return r
 
+    async def prefill(self, target: str | None, token_ids: list[int],
+                      engine_rank: int | None = None, cache_salt: str | None = None) -> int:
+        """As the vLLM engine replica's: `token_ids` through the engine for one token."""
+        self._pinned(target)
+        with self.inflight.counting(engine_rank, ""):
+            r = self._submit(token_ids, 1, cache_salt)
+            while not r.done:
+                await r.waker.wait()
+                r.waker.clear()
+        return r.cached_tokens
+
     async def serve(self, target: str | None, req: OpenAIRequest) -> AsyncIterator[Reply]:
         """One request, answered as vLLM's OpenAI layer would, counted in this engine's
         in-flight requests per sending router while it runs."""

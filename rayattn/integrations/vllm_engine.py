@@ -60,3 +60,19 @@ def _read_engine_arg_names() -> list[str] | None:
     except Exception:
         return None
     return sorted(f.name for f in dataclasses.fields(AsyncEngineArgs))
+
+
+async def prefill(engine: Any, token_ids: list[int], request_id: str,
+                  data_parallel_rank: int | None = None, cache_salt: str | None = None) -> int:
+    """Run `token_ids` through `engine` (vLLM's AsyncLLM) for one output token, so that their
+    KV is computed and cached; returns the prompt tokens it found cached already."""
+    from vllm import SamplingParams
+
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if cache_salt is not None:
+        prompt["cache_salt"] = cache_salt
+    cached = 0
+    async for out in engine.generate(prompt, SamplingParams(max_tokens=1, detokenize=False),
+                                     request_id, data_parallel_rank=data_parallel_rank):
+        cached = out.num_cached_tokens or 0
+    return cached

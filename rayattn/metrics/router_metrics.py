@@ -71,6 +71,10 @@ class RouterMetrics:
             "rayattn_router_session_moves_total",
             "Conversations routed elsewhere than their previous turn, by decision reason",
             tag_keys=(*keys, "reason"))
+        self.warm_tokens = rm.Counter(
+            "rayattn_router_warm_tokens_total",
+            "Tokens prefilled on engines that join (shared prefixes: why=join) or for the "
+            "conversations of engines that leave (why=move)", tag_keys=(*keys, "why"))
         self.e2e = rm.Histogram("rayattn_router_request_seconds",
                                 "Request latency seen by the router", boundaries=LATENCY_BUCKETS,
                                 tag_keys=keys)

@@ -24,13 +24,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from rayattn.routing import warm_plan
 from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.builders import PolicyBuilder, new_index, new_kv_budget
 from rayattn.routing.decision_log import DecisionLog
+from rayattn.routing.hashing import to_key
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.prefix_index import EventIndex
-from rayattn.routing.prompt_keys import PromptKeys
+from rayattn.routing.prompt_keys import PromptKeys, namespace
 from rayattn.routing.settings import RoutingSettings
 from rayattn.routing.snapshot import CoreSnapshot, replica_views
 
@@ -77,7 +79,7 @@ class RoutingCore:
         blocks."""
         self.index = new_index(settings, clock, self.routable)
         self.policy = self._policies.build(settings.policy, settings, self.index, block_size)
-        self.decisions = DecisionLog()
+        self.decisions = DecisionLog(clock=clock)
         self.regret_tokens = self.decisions.regret_tokens
         self.session_moves = self.decisions.session_moves
         self.kv = new_kv_budget(settings, clock, self.load.routers)
@@ -224,6 +226,46 @@ class RoutingCore:
                 for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
                             cached)
+
+    # --- engines that come and go (routing/warm_plan.py) --------------------------------
+    def warm_plan(self, target: str) -> list[warm_plan.Prefill]:
+        """The prefixes the most recent conversations share, for joining `target`, within
+        its share of its cache. Conversations under a LoRA adapter are left out (the
+        prefill would need the engine's adapter request)."""
+        budget = int(self.routable.get(target, 0) * self.block_size * warm_plan.WARM_SHARE)
+        recent = [(ids, hashes, salt) for session, ids, hashes
+                  in self.keys.prefixes.recent(warm_plan.RECENT_CONVERSATIONS)
+                  for salt, adapter in [namespace(session)] if adapter is None]
+        return warm_plan.shared_prefixes(recent, self.block_size, budget)
+
+    def move_plan(self, leaving: list[str], staying: list[str]) -> list[warm_plan.Prefill]:
+        """The live conversations whose last turn ran on `leaving` (the targets of an engine
+        that goes), to prefill on `staying`, within a share of their caches (adapter
+        conversations left out, as in warm_plan)."""
+        budget = int(sum(self.routable.get(t, 0) for t in staying) * self.block_size
+                     * warm_plan.MOVE_SHARE)
+        kept = ((s, entry[0], salt)
+                for s in self.decisions.sessions_on(set(leaving), warm_plan.LIVE_S)
+                for salt, adapter in [namespace(s)]
+                if adapter is None and (entry := self.keys.prefixes.get(s)) is not None)
+        return warm_plan.moves(kept, budget)
+
+    def moved_to(self, p: warm_plan.Prefill, candidates: list[str]) -> str | None:
+        """Where moved conversation `p`'s next turn would go among `candidates` (the policy's
+        choice for its history, as for a turn); None where its next turn already came."""
+        assert p.session is not None
+        entry = self.keys.prefixes.get(p.session)
+        if entry is None or not candidates or \
+                self.decisions.previous(p.session) in candidates:
+            return None
+        ids, hashes = entry
+        keys = [to_key(h) for h in hashes]
+        route = RouteRequest(keys, len(ids), keys[0] if keys else 0, p.session,
+                             block_hashes=hashes, token_ids=p.token_ids)
+        route.held, route.reloaded = self.index.match_tiers(route.keys)
+        replica = self.policy.choose(route, candidates).replica
+        self.decisions.moved(p.session, replica)
+        return replica
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

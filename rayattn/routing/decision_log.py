@@ -3,7 +3,9 @@ the router's own regret by the decision's reason (/health, the simulator's repor
 
 from __future__ import annotations
 
+import time
 from collections import Counter, OrderedDict
+from collections.abc import Callable
 
 from rayattn.routing.policies import Decision, RouteRequest, cached_tokens
 
@@ -12,10 +14,13 @@ LAST_REPLICAS = 100_000
 
 
 class DecisionLog:
-    def __init__(self, last_replicas: int = LAST_REPLICAS) -> None:
+    def __init__(self, last_replicas: int = LAST_REPLICAS,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._last_replicas = last_replicas
-        self._last_replica: OrderedDict[str, str] = OrderedDict()
-        """Where each recent conversation's previous turn went (bounded)."""
+        self._clock = clock
+        self._last_replica: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        """Where each recent conversation's previous turn went and when (bounded, oldest
+        first)."""
         self.regret_tokens: Counter[str] = Counter()
         """By decision reason: prompt tokens recomputed that another candidate held."""
         self.session_moves: Counter[str] = Counter()
@@ -23,7 +28,26 @@ class DecisionLog:
 
     def previous(self, session: str) -> str | None:
         """Where `session`'s previous turn went, if it is remembered."""
-        return self._last_replica.get(session)
+        last = self._last_replica.get(session)
+        return last[0] if last is not None else None
+
+    def sessions_on(self, targets: set[str], within_s: float) -> list[str]:
+        """The conversations whose previous turn went to one of `targets` within the last
+        `within_s` seconds, the most recent first."""
+        since, out = self._clock() - within_s, []
+        for session, (replica, at) in reversed(self._last_replica.items()):
+            if at < since:
+                break
+            if replica in targets:
+                out.append(session)
+        return out
+
+    def moved(self, session: str, replica: str) -> None:
+        """`session`'s history was prefilled on `replica` (its previous turn's engine left):
+        its next turn's previous replica, at the time of its last turn."""
+        last = self._last_replica.get(session)
+        if last is not None:
+            self._last_replica[session] = (replica, last[1])
 
     def record(self, d: Decision, route: RouteRequest, candidates: list[str],
                block_size: int, retry: bool) -> None:
@@ -32,7 +56,7 @@ class DecisionLog:
         if not retry:
             self._account(d, route, candidates, block_size)
         if route.session:
-            self._last_replica[route.session] = d.replica
+            self._last_replica[route.session] = (d.replica, self._clock())
             self._last_replica.move_to_end(route.session)
             if len(self._last_replica) > self._last_replicas:
                 self._last_replica.popitem(last=False)

@@ -30,6 +30,20 @@ class KnownPrefixes:
     def __len__(self) -> int:
         return len(self._prefixes)
 
+    def get(self, session: str) -> tuple[array, list[bytes]] | None:
+        """What `session` sent last (token ids, full blocks' hashes), if still kept."""
+        return self._prefixes.get(session)
+
+    def recent(self, n: int) -> list[tuple[str, array, list[bytes]]]:
+        """The `n` conversations remembered last, the most recent first."""
+        out = []
+        for session in reversed(self._prefixes):
+            if len(out) == n:
+                break
+            ids, hashes = self._prefixes[session]
+            out.append((session, ids, hashes))
+        return out
+
     def known(self, token_ids: list[int], session: str) -> list[bytes]:
         """The hashes of the leading full blocks `token_ids` shares with what `session` sent
         last."""

@@ -9,6 +9,19 @@ from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.known_prefixes import KnownPrefixes
 from rayattn.routing.policies import RouteRequest
 
+SEP = "\0"
+"""Joins a conversation's cache namespace (salt, adapter) to its name: one tenant's session
+id never meets another's."""
+
+
+def namespace(session: str) -> tuple[str | None, str | None]:
+    """The cache salt and LoRA adapter a conversation's key (PromptKeys.route) was named
+    within."""
+    if SEP not in session:
+        return None, None
+    salt, adapter, _ = session.split(SEP, 2)
+    return salt or None, adapter or None
+
 
 class PromptKeys:
     def __init__(self, block_size: int, hash_algo: str = "sha256", hash_seed: str = "0",
@@ -37,7 +50,7 @@ class PromptKeys:
         """The routing view of a prompt (RoutingCore.request)."""
         session = session or None  # an empty header names no conversation
         if session and (salt or adapter):
-            session = "\0".join((salt or "", adapter or "", session))
+            session = SEP.join((salt or "", adapter or "", session))
         known = self.prefixes.known(token_ids, session) if session else []
         hashes = self.hasher.full_hashes(token_ids, known, salt, self._adapter(adapter))
         self.hashed_blocks += len(hashes) - len(known)

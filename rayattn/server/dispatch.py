@@ -38,6 +38,7 @@ from rayattn.server.fleet.autoscaling import EngineAutoscaling
 from rayattn.server.fleet.replica_set import failure
 from rayattn.server.fleet.status import RouterSnapshot
 from rayattn.server.fleet.view import FleetView
+from rayattn.server.fleet.warming import Warming
 from rayattn.server.forwarding.candidates import Candidates
 from rayattn.server.forwarding.retry import EngineCallError, retrying
 from rayattn.server.forwarding.transport import EngineTransport
@@ -86,6 +87,11 @@ class Dispatcher:
                                on_join=self.gates.fair.wake_all,
                                on_leave=lambda replica: self.transport.forget(replica))
         self.feeds = self.fleet.feeds
+        self.fleet.warming = Warming(self.core, lambda: self.fleet.members,
+                                     self.fleet.live_targets,
+                                     lambda: self.cfg.router.warm_engines,
+                                     lambda: self.cfg.router.warm_timeout_s, self.counts,
+                                     self.gates.fair.wake_all, self.metrics)
         self.autoscaling = EngineAutoscaling(engines.app_name, engines.deployment_name)
         self.transport = EngineTransport(engines, self.fleet.info,
                                          lambda: self.cfg.router.engine_transport, self.counts,

@@ -16,23 +16,37 @@ from tests.conftest import local_config, still_running
 
 pytestmark = pytest.mark.integration
 MODEL = "smollm2"
+# A system prompt of several KV blocks every conversation of a load shares (as an
+# application's own does).
+SYSTEM = ("You are the support assistant of a company that rents out bicycles in three "
+          "cities. Answer in one short sentence, politely, without making up prices, opening "
+          "hours or addresses; when you do not know, say so and suggest the help page. Never "
+          "ask for payment details, never promise refunds, and keep every answer under "
+          "twenty words. ") * 2
 
 
 class Load:
     """`streams` closed-loop clients, each streaming chat completions until stopped; every
     request's outcome is kept as (finished at, status, replica that served it)."""
 
-    def __init__(self, url: str, streams: int = 8) -> None:
+    def __init__(self, url: str, streams: int = 8, system: str | None = None) -> None:
+        """`system`: a system prompt every stream's requests start with."""
         self.url, self.done, self._stop = url, [], threading.Event()
+        self._system = [{"role": "system", "content": system}] if system else []
         self.errors: list[str] = []  # the first few failures' bodies, for the report
         self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(streams)]
 
     @property
     def codes(self) -> list[int]:
-        return [code for _, code, _ in self.done]
+        return [code for _, code, _, _ in self.done]
 
     def served_by(self, replica: str, since: float = 0.0) -> int:
-        return sum(1 for t, code, r in self.done if r == replica and code == 200 and t >= since)
+        return sum(1 for t, code, r, _ in self.done
+                   if r == replica and code == 200 and t >= since)
+
+    def last_on(self) -> dict[int, str | None]:
+        """Where each stream's last request ran."""
+        return {i: r for _, _, r, i in self.done}
 
     def _run(self, i: int) -> None:
         with httpx.Client(timeout=120) as c:
@@ -43,7 +57,8 @@ class Load:
                 try:
                     with c.stream("POST", f"{self.url}/v1/chat/completions", json={
                             "model": MODEL, "max_tokens": 8, "stream": True,
-                            "messages": [{"role": "user", "content": f"stream {i} req {n}"}]},
+                            "messages": [*self._system,
+                                         {"role": "user", "content": f"stream {i} req {n}"}]},
                             headers={"x-session-id": f"s{i}"}) as r:
                         replica = r.headers.get("x-rayattn-replica")
                         lines = [ln for ln in r.iter_lines() if ln]
@@ -58,7 +73,7 @@ class Load:
                     code = -1
                     if len(self.errors) < 5:
                         self.errors.append(repr(e))
-                self.done.append((time.time(), code, replica))
+                self.done.append((time.time(), code, replica, i))
 
     def __enter__(self) -> Load:
         for t in self._threads:
@@ -87,6 +102,13 @@ def _wait(what: str, check, timeout_s: float = 300):
             pass
         time.sleep(0.25)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def _serve_engines() -> dict[str, int]:
+    """The engine deployment's replicas by state, as Serve's controller has them."""
+    from ray import serve
+
+    return dict(serve.status().applications["rayattn"].deployments["engine"].replica_states)
 
 
 def _engine_entry(cfg: dict) -> dict:
@@ -172,7 +194,10 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     applied live: no restart): with one stream, the deployment drains to one replica;
     under 8 streams Serve adds a second, which the router uses within seconds of its
     engine answering; with the load down to one stream it drains back to one. Not one
-    request fails throughout, and the router and the surviving engine never restart."""
+    request fails throughout, and the router and the surviving engine never restart.
+    Engines that come and go keep caches warm (router.warm_engines): the new replica gets
+    the conversations' shared system prompt before it takes them, and the conversations
+    whose last turn ran on the replica that goes are prefilled on the one that stays."""
     from rayattn.app import deploy_config
 
     cfg = local_config()
@@ -183,16 +208,19 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
     before = _health(server)
     try:
         deploy_config(elastic)
-        with Load(server, streams=1) as light:
+        with Load(server, streams=1, system=SYSTEM) as light:
+            # Serve runs one replica and stops none (a replica whose config Serve updates
+            # leaves the router's list for a moment too), and the router routes to it.
             one = _wait("scale-down to one replica while idle",
-                        lambda: (h := _health(server))["replicas"] == 1 and
-                        len(h["replicas_up"]) == 1 and h["replicas_up"], 120)
+                        lambda: _serve_engines() == {"RUNNING": 1} and
+                        len((h := _health(server))["replicas_up"]) == 1 and
+                        h["replicas_up"], 120)
             # The router has heard from Serve's controller that the engines are autoscaled
             # (it asks every few seconds, more slowly on a busy machine): from here on no
             # call may bypass Serve's channel.
             _wait("the router told the engines autoscale",
                   lambda: _health(server)["engines_autoscaled"], 60)
-        with Load(server, streams=8) as load:
+        with Load(server, streams=8, system=SYSTEM) as load:
             t_load = time.time()
             # Over Serve's channel (the direct transport is for fixed engine counts: Serve's
             # autoscaler counts only the calls it carries).
@@ -202,18 +230,27 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
             assert _health(server)["counts"]["direct_calls"] == direct
             t_up = time.time()
             first = _wait("the new replica serving", lambda: next(
-                (t for t, code, r in load.done if r == up and code == 200), None), 60)
+                (t for t, code, r, _ in load.done if r == up and code == 200), None), 60)
             # Both replicas take a share of the load, and the router follows the new one's
             # cache (its KV events).
             blocks = _wait("both replicas serving, the new one's cache seen", lambda: (
                 load.served_by(up) >= 8 and load.served_by(one[0]) >= 8
                 and _health(server)["engines"][up]["cache_view"]["blocks"]), 30)
-        with Load(server, streams=1) as drain:
-            _wait("scale-down back to one replica",
-                  lambda: _health(server)["replicas"] == 1, 180)
+        with Load(server, streams=1, system=SYSTEM) as drain:
+            moved_before = _health(server)["counts"]["moved_conversations"]
+            gone = _wait("scale-down back to one replica", lambda: (
+                _serve_engines() == {"RUNNING": 1}
+                and len((h := _health(server))["replicas_up"]) == 1
+                and [n for n in (up, one[0]) if n not in h["replicas_up"]]), 180)[0]
             t_down = time.time()
             n = len(drain.done)
             _wait("requests after the scale-down", lambda: len(drain.done) >= n + 3, 60)
+            # The 8 streams' conversations whose last turn ran on the replica that went (but
+            # stream 0's, which the drain continues) are prefilled on the one that stayed.
+            homeless = [i for i, r in load.last_on().items() if r == gone and i != 0]
+            moved = _wait("the leaving replica's conversations moved", lambda: (
+                _health(server)["counts"]["moved_conversations"] - moved_before)
+                if homeless else -1, 60)
         after = _health(server)
     finally:
         deploy_config(cfg)
@@ -223,13 +260,20 @@ def test_engines_autoscale_up_and_down_under_load(ray_cluster, server):
           f"up {t_up - t_load:.1f}s after the load began, serving {first - t_up:.1f}s after "
           f"it joined, {load.served_by(up)} requests there; drain under 1 stream: "
           f"{len(drain.done)} requests ({drain.codes.count(200)} ok), "
-          f"{t_down - t_up:.1f}s after scale-up")
+          f"{t_down - t_up:.1f}s after scale-up; warmed "
+          f"{after['counts']['warm_tokens'] - before['counts']['warm_tokens']} tokens, moved "
+          f"{moved} of {len(homeless)} conversations")
     for run in (light, load, drain):
         assert run.done and run.codes.count(200) == len(run.done), \
             (Counter(run.codes), run.errors)
     assert first - t_up < 15
     assert load.served_by(up) >= 8 and load.served_by(one[0]) >= 8
     assert blocks > 0  # the router follows the new replica's cache (its KV events)
+    # The new replica was warmed: the shared system prompt computed there before it served.
+    warmed = {k: after["counts"][k] - before["counts"][k]
+              for k in ("warm_prefills", "warm_tokens")}
+    assert warmed["warm_prefills"] >= 1 and warmed["warm_tokens"] >= 64, warmed
+    assert moved == -1 or 1 <= moved <= 8  # of the 8 streams' conversations
     assert after["joined"] > before["joined"]
     assert len(after["replicas_up"]) == 1 and after["counts"]["failed"] == \
         before["counts"]["failed"]

@@ -35,6 +35,9 @@ class EngineStatus:
     """The LoRA adapters its engine answers to."""
     engine_rank: int | None = None
     """The DP rank inside the engine this target is (None: the replica as a whole)."""
+    warming: bool = False
+    """Held out of routing while the conversations' shared prefixes are prefilled on it
+    (server/fleet/warming.py)."""
 
 
 @dataclass
@@ -90,4 +93,5 @@ def _status(fleet: FleetView, r: Replica, n: str, core: CoreSnapshot,
         info.backend if info else None, info.block_size if info else None,
         info.engine_pids if info else [],
         devices(info, len(names), i) if info else [], cache_view,
-        sorted(info.adapters) if info else [], rank)
+        sorted(info.adapters) if info else [], rank,
+        fleet.warming is not None and n in fleet.warming.warming)

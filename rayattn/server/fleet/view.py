@@ -14,6 +14,7 @@ from rayattn.routing.targets import replica_of, targets
 from rayattn.server.fleet.adapters import AdapterRegistry
 from rayattn.server.fleet.kv_feeds import KVFeeds
 from rayattn.server.fleet.replica_set import Replica, ReplicaSet
+from rayattn.server.fleet.warming import Warming
 
 
 class FleetView:
@@ -28,6 +29,8 @@ class FleetView:
         self._metrics = metrics
         self._on_join, self._on_leave = on_join, on_leave
         self.replicas = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
+        self.warming: Warming | None = None
+        """Warms joining replicas and moves leaving ones' conversations (the dispatcher's)."""
 
     @property
     def members(self) -> dict[str, Replica]:
@@ -44,7 +47,9 @@ class FleetView:
         return targets(r.name, ranks if self.core.settings.dp_rank_routing else 1)
 
     def live_targets(self) -> list[str]:
-        return [t for n in self.live() for t in self.targets(self.members[n])]
+        """The targets routed to: those of the replicas up, but for any being warmed."""
+        held = self.warming.warming if self.warming is not None else ()
+        return [t for n in self.live() for t in self.targets(self.members[n]) if t not in held]
 
     def info(self, replica: str) -> EngineInfo | None:
         r = self.members.get(replica)
@@ -71,6 +76,8 @@ class FleetView:
                     self.core.left(joined)
                 return False
         self._follow(r)
+        if self.warming is not None and not r.up:  # up already: the same replica retargeted
+            self.warming.joined(r, names)
         self._on_join()
         return True
 
@@ -88,6 +95,11 @@ class FleetView:
 
     def _left(self, r: Replica) -> None:
         self._on_leave(r.name)
+        # Moved only off a replica that left the deployment (scale-down, an update): one
+        # that died may have died of its last request (a query of death), not to be sent
+        # elsewhere. Up still: the same replica retargeted.
+        if self.warming is not None and not r.up and r.name not in self.members:
+            self.warming.leaving(self.targets(r))
         for name in self.targets(r):
             if self._metrics is not None:
                 self._metrics.left(name)
