@@ -3,6 +3,7 @@ one invocation: Serve's own (requests in flight per engine) and rayattn's (a TTF
 and KV usage; rayattn/engine/scaling_policy.py).
 
     .venv/bin/python bench/autoscale_ramp.py [--policies ongoing:16,ongoing:2,ttft:1.0]
+        [--system-words 0]
         [--engines 1,3] [--quiet 6] [--peak 24] [--phases-s 60,120,90] [--think-s 2]
         [--runs 1] [--out bench/results/autoscale_ramp.json] [--plot docs/img/ramp.png]
 
@@ -12,14 +13,18 @@ Serve's autoscaler are the real ones) and autoscaled between `--engines` bounds.
 policy and run the app is deleted and deployed anew (fresh engines, cold caches, the fleet at
 its minimum), the policies' order rotating from run to run; then the same conversations (one
 seed per run) run closed loop: a document, then turns of the whole history plus a question,
-each after a think time (exponential, mean `--think-s`); `--quiet` of them, then `--peak`,
+each after a think time (exponential, mean `--think-s`), all behind one system prompt of
+`--system-words` (none by default); `--quiet` of them, then `--peak`,
 then `--quiet` again; a conversation of `--turns` turns makes way for a new one. Every second
 Serve's status says how many engine replicas hold resources (starting, running or stopping).
 Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turns (what the
 policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
 whose TTFT p90 is within `--ttft-target-s`, engine-seconds (also per 100 requests), failed
 requests (a turn that raised, or still running 120 s after the ramp, counts), later turns'
-uncached prompt tokens."""
+uncached prompt tokens and the share of their prompt tokens found cached.
+
+A policy may carry router settings for its run: `ttft:1.5@warm_engines=false` (the router's
+user_config, values as YAML reads them)."""
 
 from __future__ import annotations
 
@@ -41,10 +46,23 @@ WORDS = ("river mountain valley forest ocean desert city harbor bridge tower gar
          "engine kernel cache block token router replica prefix decode extend prefill").split()
 
 
+def router_settings(policy: str) -> dict[str, Any]:
+    """The router settings a policy names after `@` (`ttft:1.5@warm_engines=false`)."""
+    import yaml
+
+    out: dict[str, Any] = {}
+    for item in policy.split("@")[1:]:
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--policies: {item!r} is not key=value")
+        out[key] = yaml.safe_load(value)
+    return out
+
+
 def autoscaling(policy: str, lo: int, hi: int, ttft_target: float) -> dict[str, Any]:
     """`ongoing:N`: Serve's own policy at N requests in flight per engine; `ttft:S`:
     rayattn's, TTFT p90 target S s and KV usage 0.85 (requests in flight never ask for more)."""
-    kind, _, value = policy.partition(":")
+    kind, _, value = policy.split("@")[0].partition(":")
     timing = {"min_replicas": lo, "max_replicas": hi, "upscale_delay_s": 5,
               "downscale_delay_s": 20, "look_back_period_s": 10, "metrics_interval_s": 2}
     if kind == "ongoing":
@@ -72,6 +90,8 @@ def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
     for d in app["deployments"]:
         if d["name"] == "engine":
             d["autoscaling_config"] = autoscaling(policy, lo, hi, a.ttft_target_s)
+        if d["name"] == "router":
+            d["user_config"].update(router_settings(policy))
     return cfg
 
 
@@ -107,12 +127,15 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
     t0 = loop.time()
     running: set[asyncio.Task] = set()
     n = 0
+    shared = random.Random(f"{seed}:system")
+    system = [{"role": "system", "content": " ".join(shared.choices(WORDS, k=a.system_words))}] \
+        if a.system_words else []
 
     async def conversation(client: aiohttp.ClientSession, name: str) -> None:
         # Its own generator: every policy gets the same conversations, however they interleave.
         rng = random.Random(f"{seed}:{name}")
         doc = " ".join(rng.choices(WORDS, k=a.doc_words))
-        messages = [{"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
+        messages = [*system, {"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
         conv = Conversation("", [], name, a.max_tokens)
         for turn in range(a.turns):
             start = loop.time() - t0
@@ -213,6 +236,8 @@ def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -
         if in_ramp else None,
         "max_engines": max((h[1] for h in health), default=None),
         "later_uncached_tokens": sum(r["prompt"] - r["cached"] for r in later),
+        "later_cached_share": _r3(sum(r["cached"] for r in later)
+                                  / max(1, sum(r["prompt"] for r in later))),
         "windows": windows}
 
 
@@ -251,6 +276,7 @@ def main() -> None:
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--doc-words", type=int, default=400)
+    ap.add_argument("--system-words", type=int, default=0)
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--ttft-target-s", type=float, default=1.5)
     ap.add_argument("--step-ms", type=float, default=8.0)
@@ -262,8 +288,9 @@ def main() -> None:
     ap.add_argument("--plot")
     a = ap.parse_args()
     policies = a.policies.split(",")
-    for p in policies:
-        autoscaling(p, 1, 1, a.ttft_target_s)  # a typo fails before anything starts
+    for p in policies:  # a typo fails before anything starts
+        autoscaling(p, 1, 1, a.ttft_target_s)
+        router_settings(p)
     import httpx
 
     from rayattn.app import deploy_config, wait_running

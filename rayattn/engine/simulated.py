@@ -221,9 +221,13 @@ class SimulatedEngineReplica:
         self._pinned(target)
         with self.inflight.counting(engine_rank, ""):
             r = self._submit(token_ids, 1, cache_salt)
-            while not r.done:
-                await r.waker.wait()
-                r.waker.clear()
+            try:
+                while not r.done:
+                    await r.waker.wait()
+                    r.waker.clear()
+            finally:
+                if not r.done:  # the router gave up on it: the engine request ends
+                    self.core.abort(r)
         return r.cached_tokens
 
     async def serve(self, target: str | None, req: OpenAIRequest) -> AsyncIterator[Reply]:

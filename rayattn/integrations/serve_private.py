@@ -4,6 +4,7 @@ read at import. Each is pinned by tests/unit/integrations/test_serve_private.py.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +40,9 @@ async def serve_autoscales(app: str, deployment: str) -> bool | None:
     try:
         from ray.serve._private.common import DeploymentID
 
-        config = await _serve_controller().get_deployment_config.remote(
+        # The lookup is a blocking call to Ray's GCS (once: cached), not on the caller's loop.
+        controller = await asyncio.to_thread(_serve_controller)
+        config = await controller.get_deployment_config.remote(
             DeploymentID(name=deployment, app_name=app))
         if config is None:  # no such deployment
             return None

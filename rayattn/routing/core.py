@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from rayattn.routing import warm_plan
+from rayattn.routing import policies, warm_plan
 from rayattn.routing.adapters import AdapterResidency
 from rayattn.routing.builders import PolicyBuilder, new_index, new_kv_budget
 from rayattn.routing.decision_log import DecisionLog
@@ -32,7 +32,7 @@ from rayattn.routing.hashing import to_key
 from rayattn.routing.load import LoadTracker
 from rayattn.routing.policies import Decision, RouteRequest
 from rayattn.routing.prefix_index import EventIndex
-from rayattn.routing.prompt_keys import PromptKeys, namespace
+from rayattn.routing.prompt_keys import PromptKeys
 from rayattn.routing.settings import RoutingSettings
 from rayattn.routing.snapshot import CoreSnapshot, replica_views
 
@@ -228,44 +228,58 @@ class RoutingCore:
                             cached)
 
     # --- engines that come and go (routing/warm_plan.py) --------------------------------
-    def warm_plan(self, target: str) -> list[warm_plan.Prefill]:
-        """The prefixes the most recent conversations share, for joining `target`, within
-        its share of its cache. Conversations under a LoRA adapter are left out (the
-        prefill would need the engine's adapter request)."""
-        budget = int(self.routable.get(target, 0) * self.block_size * warm_plan.WARM_SHARE)
-        recent = [(ids, hashes, salt) for session, ids, hashes
-                  in self.keys.prefixes.recent(warm_plan.RECENT_CONVERSATIONS)
-                  for salt, adapter in [namespace(session)] if adapter is None]
-        return warm_plan.shared_prefixes(recent, self.block_size, budget)
+    @property
+    def warms_engines(self) -> bool:
+        """Whether the policy has engines that come and go warmed (the comparison policies
+        reproduce routers that do not)."""
+        return policies.spec(self.policy.name).warms_engines
+
+    def warm_plans(self, targets: list[str]) -> dict[str, list[warm_plan.Prefill]]:
+        """For each joining target, the prefixes the most recent conversations share,
+        within its share of its cache (of this router's share). Conversations under a LoRA
+        adapter are left out (the prefill would need the engine's adapter request)."""
+        recent = [(k.ids, k.hashes, k.salt) for k in
+                  self.keys.prefixes.recent(warm_plan.RECENT_CONVERSATIONS)
+                  if k.adapter is None]
+        shared = warm_plan.shared_prefixes(recent, self.block_size)
+        share = warm_plan.WARM_SHARE / self.load.routers()
+        return {t: plan for t in targets
+                if (plan := warm_plan.within(shared, self.block_size, int(
+                    self.routable.get(t, 0) * self.block_size * share)))}
 
     def move_plan(self, leaving: list[str], staying: list[str]) -> list[warm_plan.Prefill]:
         """The live conversations whose last turn ran on `leaving` (the targets of an engine
-        that goes), to prefill on `staying`, within a share of their caches (adapter
-        conversations left out, as in warm_plan)."""
+        that goes), to prefill on `staying`, within a share of their caches (of this
+        router's share; adapter conversations left out, as in warm_plans)."""
         budget = int(sum(self.routable.get(t, 0) for t in staying) * self.block_size
-                     * warm_plan.MOVE_SHARE)
-        kept = ((s, entry[0], salt)
+                     * warm_plan.MOVE_SHARE / self.load.routers())
+        kept = ((s, k.ids, k.salt)
                 for s in self.decisions.sessions_on(set(leaving), warm_plan.LIVE_S)
-                for salt, adapter in [namespace(s)]
-                if adapter is None and (entry := self.keys.prefixes.get(s)) is not None)
+                if (k := self.keys.prefixes.get(s)) is not None and k.adapter is None)
         return warm_plan.moves(kept, budget)
 
-    def moved_to(self, p: warm_plan.Prefill, candidates: list[str]) -> str | None:
+    def move_target(self, p: warm_plan.Prefill, leaving: list[str],
+                    candidates: list[str]) -> str | None:
         """Where moved conversation `p`'s next turn would go among `candidates` (the policy's
-        choice for its history, as for a turn); None where its next turn already came."""
+        choice for its history, as for a turn); None where its next turn has come (it
+        found its own way). `moved` records it once its history is there."""
         assert p.session is not None
-        entry = self.keys.prefixes.get(p.session)
-        if entry is None or not candidates or \
-                self.decisions.previous(p.session) in candidates:
+        if not candidates or self.decisions.previous(p.session) not in leaving:
             return None
-        ids, hashes = entry
-        keys = [to_key(h) for h in hashes]
-        route = RouteRequest(keys, len(ids), keys[0] if keys else 0, p.session,
-                             block_hashes=hashes, token_ids=p.token_ids)
+        k = self.keys.prefixes.get(p.session)
+        if k is None:
+            return None
+        keys = [to_key(h) for h in k.hashes]
+        route = RouteRequest(keys, len(k.ids), keys[0] if keys else 0, p.session,
+                             block_hashes=k.hashes)
         route.held, route.reloaded = self.index.match_tiers(route.keys)
-        replica = self.policy.choose(route, candidates).replica
-        self.decisions.moved(p.session, replica)
-        return replica
+        return self.policy.choose(route, candidates).replica
+
+    def moved(self, p: warm_plan.Prefill, leaving: list[str], target: str) -> None:
+        """`p`'s history is on `target` now: its next turn's previous replica, unless that
+        turn came meanwhile."""
+        assert p.session is not None
+        self.decisions.moved(p.session, set(leaving), target)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

@@ -42,11 +42,12 @@ class DecisionLog:
                 out.append(session)
         return out
 
-    def moved(self, session: str, replica: str) -> None:
-        """`session`'s history was prefilled on `replica` (its previous turn's engine left):
-        its next turn's previous replica, at the time of its last turn."""
+    def moved(self, session: str, leaving: set[str], replica: str) -> None:
+        """`session`'s history was prefilled on `replica` because its previous turn's engine
+        (one of `leaving`) left: its next turn's previous replica, at the time of its last
+        turn; nothing where a turn came meanwhile."""
         last = self._last_replica.get(session)
-        if last is not None:
+        if last is not None and last[0] in leaving:
             self._last_replica[session] = (replica, last[1])
 
     def record(self, d: Decision, route: RouteRequest, candidates: list[str],

@@ -9,19 +9,6 @@ from rayattn.routing.hashing import BlockHasher, to_key
 from rayattn.routing.known_prefixes import KnownPrefixes
 from rayattn.routing.policies import RouteRequest
 
-SEP = "\0"
-"""Joins a conversation's cache namespace (salt, adapter) to its name: one tenant's session
-id never meets another's."""
-
-
-def namespace(session: str) -> tuple[str | None, str | None]:
-    """The cache salt and LoRA adapter a conversation's key (PromptKeys.route) was named
-    within."""
-    if SEP not in session:
-        return None, None
-    salt, adapter, _ = session.split(SEP, 2)
-    return salt or None, adapter or None
-
 
 class PromptKeys:
     def __init__(self, block_size: int, hash_algo: str = "sha256", hash_seed: str = "0",
@@ -50,12 +37,12 @@ class PromptKeys:
         """The routing view of a prompt (RoutingCore.request)."""
         session = session or None  # an empty header names no conversation
         if session and (salt or adapter):
-            session = SEP.join((salt or "", adapter or "", session))
+            session = "\0".join((salt or "", adapter or "", session))
         known = self.prefixes.known(token_ids, session) if session else []
         hashes = self.hasher.full_hashes(token_ids, known, salt, self._adapter(adapter))
         self.hashed_blocks += len(hashes) - len(known)
         if session:
-            self.prefixes.remember(session, token_ids, hashes)
+            self.prefixes.remember(session, token_ids, hashes, salt, adapter)
         keys = [to_key(h) for h in hashes]
         head = keys[0] if keys else hash((adapter, tuple(token_ids[: self.block_size])))
         return RouteRequest(keys, len(token_ids), head, session, text, hashes, token_ids,
@@ -71,7 +58,7 @@ class PromptKeys:
         self.hashed_blocks += len(full) - len(route.block_hashes)
         if route.session:
             # The next turn starts with this prompt and, re-rendered, usually the answer.
-            self.prefixes.remember(route.session, cached, full)
+            self.prefixes.remember(route.session, cached, full, route.salt, route.adapter)
         return route.keys + [to_key(h) for h in full[len(route.block_hashes):]]
 
     def _adapter(self, name: str | None) -> tuple[str, str] | None:

@@ -4,12 +4,13 @@
 - **A joining engine** gets the prefixes most conversations share (a system prompt, an agent's
   tool prompt, a document many users ask about) before it takes conversations: its first
   ones then run the extend path, not a full prefill.
-- **A leaving engine's** live conversations (scale-down, a rolling update) are
-  prefilled where their next turns will go, most recent first: the next turn finds its
-  history instead of paying for it.
+- **A leaving engine's** live conversations (scale-down, a rolling update) are prefilled where
+  their next turns will go, most recent first: the next turn finds its history instead of
+  paying for it.
 
-Both within a share of the destination's KV cache, so warming never pushes out more than it
-brings. Pure: the server's fleet (server/fleet/warming.py) sends the prefills."""
+Both within a share of the destination's KV cache (of this router's share of it: every router
+warms for its own conversations), so warming never pushes out more than it brings. Pure: the
+server's fleet (server/fleet/warming.py) sends the prefills."""
 
 from __future__ import annotations
 
@@ -31,7 +32,10 @@ gone)."""
 
 @dataclass(frozen=True)
 class Prefill:
-    token_ids: list[int]
+    ids: array
+    """Token ids: `tokens` of them are prefilled (an array kept by KnownPrefixes, not a
+    copy)."""
+    tokens: int
     session: str | None = None
     """The conversation moved (None: a prefix several share)."""
     sessions: int = 1
@@ -39,41 +43,56 @@ class Prefill:
     salt: str | None = None
     """Its cache namespace (vLLM's `cache_salt`): the prefill must hash as its turns do."""
 
+    def token_ids(self) -> list[int]:
+        return self.ids[: self.tokens].tolist()
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A prefix several conversations share, the longest that they do."""
+
+    prefill: Prefill
+    chain: list[bytes]
+    """Its blocks' hashes."""
+
 
 def shared_prefixes(histories: Iterable[tuple[array, list[bytes], str | None]],
-                    block_size: int, budget_tokens: int) -> list[Prefill]:
+                    block_size: int) -> list[Shared]:
     """The longest prefixes (whole blocks) at least two of `histories` share, the most shared
-    tokens first, within `budget_tokens` (the last one cut to what fits); one that a chosen
-    prefix contains is left out. A
-    block's hash names its whole prefix (vLLM chains them, cache namespace included), so
-    counting hashes counts the conversations that share each prefix."""
+    tokens (conversations × tokens) first. A block's hash names its whole prefix (vLLM
+    chains them, the cache namespace included), so counting hashes counts the
+    conversations that share each prefix."""
     histories = list(histories)
     count: Counter[bytes] = Counter()
     for _, hashes, _ in histories:
         count.update(hashes)
-    deepest: dict[bytes, tuple[Prefill, list[bytes]]] = {}
+    deepest: dict[bytes, Shared] = {}
     for ids, hashes, salt in histories:
         depth = 0
         while depth < len(hashes) and count[hashes[depth]] >= 2:
             depth += 1
         if depth and hashes[depth - 1] not in deepest:
-            deepest[hashes[depth - 1]] = (
-                Prefill(list(ids[:depth * block_size]), None, count[hashes[depth - 1]], salt),
+            deepest[hashes[depth - 1]] = Shared(
+                Prefill(ids, depth * block_size, None, count[hashes[depth - 1]], salt),
                 hashes[:depth])
+    return sorted(deepest.values(), key=lambda s: -s.prefill.sessions * s.prefill.tokens)
+
+
+def within(shared: list[Shared], block_size: int, budget_tokens: int) -> list[Prefill]:
+    """Of `shared` (shared_prefixes' order), what fits in `budget_tokens`: the last one cut to
+    its leading blocks that do (shared as widely); one that a chosen prefix contains is left
+    out."""
     chosen: list[Prefill] = []
     covered: set[bytes] = set()
     used = 0
-    for h, (p, chain) in sorted(deepest.items(),
-                                key=lambda kv: -kv[1][0].sessions * len(kv[1][0].token_ids)):
-        if h in covered:
+    for s in shared:
+        blocks = min(len(s.chain), (budget_tokens - used) // block_size)
+        if blocks <= 0 or s.chain[blocks - 1] in covered:
             continue
-        # Where it does not fit whole, its leading blocks do as well (shared as widely).
-        blocks = min(len(chain), (budget_tokens - used) // block_size)
-        if blocks <= 0 or chain[blocks - 1] in covered:
-            continue
-        chosen.append(Prefill(p.token_ids[:blocks * block_size], None, p.sessions, p.salt))
+        p = s.prefill
+        chosen.append(Prefill(p.ids, blocks * block_size, None, p.sessions, p.salt))
         used += blocks * block_size
-        covered.update(chain[:blocks])
+        covered.update(s.chain[:blocks])
     return chosen
 
 
@@ -85,6 +104,6 @@ def moves(conversations: Iterable[tuple[str, array, str | None]],
     for session, ids, salt in conversations:
         if used + len(ids) > budget_tokens:
             continue
-        out.append(Prefill(list(ids), session, salt=salt))
+        out.append(Prefill(ids, len(ids), session, salt=salt))
         used += len(ids)
     return out

@@ -88,7 +88,7 @@ class Dispatcher:
                                on_leave=lambda replica: self.transport.forget(replica))
         self.feeds = self.fleet.feeds
         self.fleet.warming = Warming(self.core, lambda: self.fleet.members,
-                                     self.fleet.live_targets,
+                                     self.fleet.up_targets,
                                      lambda: self.cfg.router.warm_engines,
                                      lambda: self.cfg.router.warm_timeout_s, self.counts,
                                      self.gates.fair.wake_all, self.metrics)

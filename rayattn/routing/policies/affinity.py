@@ -267,4 +267,4 @@ def _build(ctx: PolicyContext, params: AffinityParams) -> Affinity:
 
 SPEC = PolicySpec(
     "affinity", "predicted-TTFT cost over the engines' cached blocks, bounded load",
-    AffinityParams, _build)
+    AffinityParams, _build, warms_engines=True)

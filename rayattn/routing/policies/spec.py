@@ -49,3 +49,6 @@ class PolicySpec(Generic[P]):
     factory: Callable[[PolicyContext, P], Policy]
     uses_prefix_cache: bool = True
     """Routes by what engines cache: needs engine.enable_prefix_caching."""
+    warms_engines: bool = False
+    """Engines that join or leave are warmed for it (router.warm_engines,
+    routing/warm_plan.py); the comparison policies reproduce routers that do not."""

@@ -46,10 +46,15 @@ class FleetView:
         ranks = r.info.dp_ranks if r.info is not None else 1
         return targets(r.name, ranks if self.core.settings.dp_rank_routing else 1)
 
+    def up_targets(self) -> list[str]:
+        """The targets of the replicas up."""
+        return [t for n in self.live() for t in self.targets(self.members[n])]
+
     def live_targets(self) -> list[str]:
-        """The targets routed to: those of the replicas up, but for any being warmed."""
-        held = self.warming.warming if self.warming is not None else ()
-        return [t for n in self.live() for t in self.targets(self.members[n]) if t not in held]
+        """The targets routed to: those of the replicas up, but for any held while it is
+        warmed (server/fleet/warming.py)."""
+        up = self.up_targets()
+        return self.warming.routable(up) if self.warming is not None else up
 
     def info(self, replica: str) -> EngineInfo | None:
         r = self.members.get(replica)

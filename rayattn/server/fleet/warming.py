@@ -3,7 +3,8 @@ routing/warm_plan.py's):
 
 - a replica that joins while others serve is held out of routing until the prefixes the
   router's conversations share are prefilled on it (at most router.warm_timeout_s), so its
-  first conversations run the extend path;
+  first conversations run the extend path; never the last one routable (a one-replica
+  rolling update stops the old replica while the new one warms);
 - when a replica leaves the deployment (scale-down, a rolling update), its live
   conversations' histories are prefilled, one at a time, where the routing policy would send
   their next turns.
@@ -17,6 +18,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from rayattn.metrics.router_metrics import RouterMetrics
 from rayattn.routing.core import RoutingCore
@@ -27,97 +29,131 @@ from rayattn.server.fleet.replica_set import Replica
 
 log = logging.getLogger("rayattn.router")
 
+COUNTS = ("warm_prefills", "warm_tokens", "moved_conversations", "moved_tokens")
+"""The router's counts of it (/health): prefills for joining engines and the tokens they
+computed; conversations moved and the tokens their prefills computed."""
+
 
 class Warming:
     def __init__(self, core: RoutingCore, members: Callable[[], dict[str, Replica]],
-                 live_targets: Callable[[], list[str]], enabled: Callable[[], bool],
+                 up_targets: Callable[[], list[str]], enabled: Callable[[], bool],
                  timeout_s: Callable[[], float], counts: dict[str, float],
                  on_warm: Callable[[], None], metrics: RouterMetrics | None = None) -> None:
-        """`members()`: the replicas Serve runs; `live_targets()`: the targets routed to now;
-        `enabled()` / `timeout_s()`: router.warm_engines / router.warm_timeout_s (live
-        settings); `counts`: the router's; `on_warm`: a held target is routable now."""
+        """`members()`: the replicas Serve runs; `up_targets()`: the targets of the replicas
+        up, held or not; `enabled()` / `timeout_s()`: router.warm_engines /
+        router.warm_timeout_s (live settings); `counts`: the router's; `on_warm`: a held
+        target is routable now."""
         self.core = core
-        self._members, self._live = members, live_targets
+        self._members, self._up = members, up_targets
         self._enabled, self._timeout_s = enabled, timeout_s
         self.counts = counts
-        for key in ("warm_prefills", "warm_tokens", "moved_conversations"):
+        for key in COUNTS:
             counts.setdefault(key, 0)
         self._on_warm = on_warm
         self._metrics = metrics
-        self.warming: set[str] = set()
-        """Targets held out of routing while they are warmed."""
+        self._holds: dict[str, object] = {}
+        """Targets held out of routing while they are warmed, each by the warming that
+        holds it (a replica that comes back while its first warming runs is held anew)."""
+
+    def routable(self, targets: list[str]) -> list[str]:
+        """Of the targets up, those routed to: all but the held ones, or every one where
+        only held ones are up."""
+        free = [t for t in targets if t not in self._holds]
+        return free or targets
+
+    @property
+    def holding(self) -> set[str]:
+        """The targets held now."""
+        return set(self._holds)
 
     def joined(self, r: Replica, targets: list[str]) -> None:
         """`r` joined as `targets`: where other targets serve and the router's conversations
         share prefixes, hold them out of routing while those are prefilled."""
-        if not self._enabled() or not [t for t in self._live() if t not in targets]:
+        if not (self._enabled() and self.core.warms_engines) or \
+                not [t for t in self.routable(self._up()) if t not in targets]:
             return
-        plans = {t: plan for t in targets if (plan := self.core.warm_plan(t))}
+        plans = self.core.warm_plans(targets)
         if plans:
-            self.warming.update(plans)
-            detached(self._warm(r, plans))
+            token = object()
+            for t in plans:
+                self._holds[t] = token
+            detached(self._warm(r, plans, token))
 
     def leaving(self, targets: list[str]) -> None:
         """`targets` (one replica's) are about to leave the routing core: prefill their live
         conversations on the targets that stay."""
-        staying = [t for t in self._live() if t not in targets]
-        if not self._enabled() or not staying:
+        staying = [t for t in self._up() if t not in targets]
+        if not (self._enabled() and self.core.warms_engines) or not staying:
             return
         plan = self.core.move_plan(targets, staying)
         if plan:
-            detached(self._move(plan))
+            detached(self._move(plan, targets))
 
-    def _counted(self, why: str, tokens: int) -> None:
-        if self._metrics is not None and tokens > 0:
-            self._metrics.warm_tokens.inc(tokens, {**self._metrics.base, "why": why})
+    async def _prefill(self, r: Replica, target: str, p: Prefill, timeout_s: float) -> int:
+        """One prefill on `target`; returns the tokens it computed. A timeout (or the
+        caller's cancellation) cancels the engine's request too: awaiting Serve's response
+        does not."""
+        response: Any = r.handle.prefill.remote(p.token_ids(), split(target)[1], p.salt)
+        try:
+            cached = await asyncio.wait_for(response, timeout_s)
+        except BaseException:
+            cancel = getattr(response, "cancel", None)
+            if cancel is not None:
+                cancel()
+            raise
+        return p.tokens - int(cached)
 
-    async def _warm(self, r: Replica, plans: dict[str, list[Prefill]]) -> None:
+    async def _warm(self, r: Replica, plans: dict[str, list[Prefill]], token: object) -> None:
         t0 = time.monotonic()
         deadline = t0 + self._timeout_s()
         tokens = 0
         try:
             for target, plan in plans.items():
-                rank = split(target)[1]
                 for p in plan:
                     left = deadline - time.monotonic()
                     if left <= 0:
                         log.warning("engine %s: warming stopped after %.0f s "
                                     "(router.warm_timeout_s)", target, time.monotonic() - t0)
                         return
-                    cached = await asyncio.wait_for(
-                        r.handle.prefill.remote(p.token_ids, rank, p.salt), left)
+                    computed = await self._prefill(r, target, p, left)
                     self.counts["warm_prefills"] += 1
-                    self.counts["warm_tokens"] += len(p.token_ids) - cached
-                    self._counted("join", len(p.token_ids) - cached)
-                    tokens += len(p.token_ids)
+                    self.counts["warm_tokens"] += computed
+                    self._counted("join", computed)
+                    tokens += p.tokens
             log.info("engine %s warmed with %d shared prefixes (%d tokens) in %.1f s",
                      r.name, sum(map(len, plans.values())), tokens, time.monotonic() - t0)
         except Exception as e:  # it left, died or was slow: it serves cold, as before
             log.warning("engine %s: warming failed (%s); routing to it cold", r.name,
                         type(e).__name__)
         finally:
-            self.warming.difference_update(plans)
+            for t in plans:
+                if self._holds.get(t) is token:
+                    del self._holds[t]
             self._on_warm()
 
-    async def _move(self, plan: list[Prefill]) -> None:
+    async def _move(self, plan: list[Prefill], leaving: list[str]) -> None:
         """One conversation at a time: a move competes with the staying engines' own
         requests."""
         moved = 0
         for p in plan:
-            target = self.core.moved_to(p, [t for t in self._live() if t not in self.warming])
+            target = self.core.move_target(p, leaving, self.routable(self._up()))
             r = self._members().get(replica_of(target)) if target is not None else None
             if target is None or r is None:
                 continue
             try:
-                cached = await asyncio.wait_for(
-                    r.handle.prefill.remote(p.token_ids, split(target)[1], p.salt),
-                    self._timeout_s())
+                computed = await self._prefill(r, target, p, self._timeout_s())
             except Exception as e:
                 log.warning("moving a conversation to %s failed (%s)", target,
                             type(e).__name__)
                 continue
+            self.core.moved(p, leaving, target)
             moved += 1
             self.counts["moved_conversations"] += 1
-            self._counted("move", len(p.token_ids) - cached)
+            self.counts["moved_tokens"] += computed
+            self._counted("move", computed)
         log.info("%d of %d conversations of a leaving engine prefilled where their next "
                  "turns go", moved, len(plan))
+
+    def _counted(self, why: str, tokens: int) -> None:
+        if self._metrics is not None and tokens > 0:
+            self._metrics.warm_tokens.inc(tokens, {**self._metrics.base, "why": why})

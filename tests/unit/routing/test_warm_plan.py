@@ -28,13 +28,14 @@ def test_the_longest_prefix_shared_first_and_what_it_contains_not_again():
          history(keys, [5] * 100)]  # shares nothing
     # The document's prefix (2 conversations × 6 blocks) before the system prompt (3 × 2),
     # which it contains.
-    plan = warm_plan.shared_prefixes(h, BS, budget_tokens=10_000)
-    assert [(p.token_ids, p.sessions) for p in plan] == [(SYSTEM + DOCUMENT, 2)]
+    shared = warm_plan.shared_prefixes(h, BS)
+    plan = warm_plan.within(shared, BS, budget_tokens=10_000)
+    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM + DOCUMENT, 2)]
     # Too small a budget for the whole document: its leading blocks, the system prompt in
     # them; nothing beyond the budget.
-    plan = warm_plan.shared_prefixes(h, BS, budget_tokens=4 * BS + 5)
-    assert [(p.token_ids, p.sessions) for p in plan] == [(SYSTEM + DOCUMENT[:2 * BS], 2)]
-    assert warm_plan.shared_prefixes(h[2:], BS, budget_tokens=10_000) == []
+    plan = warm_plan.within(shared, BS, budget_tokens=4 * BS + 5)
+    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM + DOCUMENT[:2 * BS], 2)]
+    assert warm_plan.shared_prefixes(h[2:], BS) == []
 
 
 def test_prefixes_are_shared_only_within_one_cache_namespace():
@@ -42,16 +43,16 @@ def test_prefixes_are_shared_only_within_one_cache_namespace():
     h = [history(keys, SYSTEM + [7] * 20, salt="tenant-a"),
          history(keys, SYSTEM + [8] * 20, salt="tenant-b"),
          history(keys, SYSTEM + [9] * 20, salt="tenant-b")]
-    plan = warm_plan.shared_prefixes(h, BS, budget_tokens=10_000)
-    assert [(p.token_ids, p.sessions, p.salt) for p in plan] == [(SYSTEM, 2, "tenant-b")]
+    plan = warm_plan.within(warm_plan.shared_prefixes(h, BS), BS, budget_tokens=10_000)
+    assert [(p.token_ids(), p.sessions, p.salt) for p in plan] == [(SYSTEM, 2, "tenant-b")]
 
 
 def test_moves_keep_the_most_recent_within_the_budget():
     convs = [("new", array("I", [1] * 30), None), ("big", array("I", [2] * 100), None),
              ("old", array("I", [3] * 30), "s")]
     plan = warm_plan.moves(convs, budget_tokens=70)
-    assert [(p.session, len(p.token_ids), p.salt) for p in plan] == [("new", 30, None),
-                                                                      ("old", 30, "s")]
+    assert [(p.session, p.tokens, p.salt) for p in plan] == [("new", 30, None),
+                                                              ("old", 30, "s")]
 
 
 def _turn(c: RoutingCore, session: str, ids: list[int], on: str) -> None:
@@ -77,15 +78,32 @@ def test_a_leaving_engines_conversations_go_where_their_next_turn_would():
     plan = c.move_plan(["a"], ["b", "c"])
     assert [p.session for p in plan] == ["s4", "s3"]
     # Its prompt and its answer (but the last token, never computed), as cached on "a".
-    assert plan[0].token_ids == SYSTEM + [6] * 40 + [42] * 4
+    assert plan[0].token_ids() == SYSTEM + [6] * 40 + [42] * 4
     c.left("a")
-    # "b" holds the system prompt (s2's turn): the policy sends s4's next turn there.
-    assert c.moved_to(plan[0], ["b", "c"]) == "b"
+    # "b" holds the system prompt (s2's turn): the policy sends s4's next turn there, which
+    # its decision log says once its history is there.
+    assert c.move_target(plan[0], ["a"], ["b", "c"]) == "b"
+    assert c.decisions.previous("s4") == "a"
+    c.moved(plan[0], ["a"], "b")
     assert c.decisions.previous("s4") == "b"
-    assert c.moved_to(plan[0], ["b", "c"]) is None  # moved already
-    # A turn that came meanwhile found its own way: nothing to move.
+    assert c.move_target(plan[0], ["a"], ["b", "c"]) is None  # moved already
+    # A turn that came meanwhile found its own way: nothing to move, nothing recorded.
     _turn(c, "s3", SYSTEM + [9] * 60, on="c")
-    assert c.moved_to(plan[1], ["b", "c"]) is None
+    assert c.move_target(plan[1], ["a"], ["b", "c"]) is None
+    c.moved(plan[1], ["a"], "b")
+    assert c.decisions.previous("s3") == "c"
+
+
+def test_every_router_warms_within_its_share_of_a_cache():
+    c = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
+    assert c.joined("a", BS, 1000)
+    for i in range(3):
+        _turn(c, f"s{i}", SYSTEM + DOCUMENT + [i + 7] * 40, on="a")
+    assert c.joined("new", BS, 24)  # a quarter: 6 blocks, the shared 6
+    assert [p.tokens for p in c.warm_plans(["new"])["new"]] == [6 * BS]
+    c.reported("a", {"other-router": 1})  # a second router sends to these engines
+    assert [p.tokens for p in c.warm_plans(["new"])["new"]] == [3 * BS]
+    assert c.move_plan(["a"], ["new"]) == []  # 6 blocks (half of 24, halved): 140 tokens each
 
 
 def test_a_joining_engine_gets_the_shared_prefixes_within_a_quarter_of_its_cache():
@@ -94,6 +112,13 @@ def test_a_joining_engine_gets_the_shared_prefixes_within_a_quarter_of_its_cache
     for i in range(3):
         _turn(c, f"s{i}", SYSTEM + DOCUMENT + [i + 7] * 40, on="a")
     assert c.joined("new", BS, 24)  # 24 blocks: 6 may be warmed, the shared 6 fit
-    assert [p.token_ids for p in c.warm_plan("new")] == [SYSTEM + DOCUMENT]
     assert c.joined("small", BS, 12)  # 3 blocks: the system prompt and a block more
-    assert [p.token_ids for p in c.warm_plan("small")] == [SYSTEM + DOCUMENT[:BS]]
+    plans = c.warm_plans(["new", "small"])
+    assert [p.token_ids() for p in plans["new"]] == [SYSTEM + DOCUMENT]
+    assert [p.token_ids() for p in plans["small"]] == [SYSTEM + DOCUMENT[:BS]]
+
+
+def test_comparison_policies_are_not_warmed_for():
+    c = RoutingCore(RouterConfig(index="predicted", policy="sticky").routing_settings(), BS)
+    assert not c.warms_engines
+    assert RoutingCore(RouterConfig().routing_settings(), BS).warms_engines

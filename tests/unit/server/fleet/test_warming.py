@@ -16,6 +16,19 @@ BS = 16
 SYSTEM = list(range(1, 3 * BS + 1))
 
 
+class Response:
+    """Serve's response to one call: awaitable, cancellable."""
+
+    def __init__(self, run: Any) -> None:
+        self._run, self.cancelled = run, False
+
+    def __await__(self) -> Any:
+        return self._run.__await__()
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
 class Handle:
     """An engine replica's `prefill`, recorded; each call waits for `gate`."""
 
@@ -23,17 +36,20 @@ class Handle:
                  gate: asyncio.Event) -> None:
         self.name, self.calls, self.gate = name, calls, gate
         self.prefill = self
+        self.responses: list[Response] = []
 
-    def remote(self, token_ids: list[int], rank: int | None, salt: str | None) -> Any:
+    def remote(self, token_ids: list[int], rank: int | None, salt: str | None) -> Response:
         async def run() -> int:
             await self.gate.wait()
             self.calls.append((self.name, token_ids))
             return 0
-        return run()
+        self.responses.append(Response(run()))
+        return self.responses[-1]
 
 
-def _fleet(enabled: bool = True) -> tuple[RoutingCore, dict[str, Replica], Warming,
-                                          list[tuple[str, list[int]]], asyncio.Event]:
+def _fleet(enabled: bool = True, timeout_s: float = 5.0
+           ) -> tuple[RoutingCore, dict[str, Replica], Warming, list[tuple[str, list[int]]],
+                      asyncio.Event]:
     core = RoutingCore(RouterConfig(index="predicted").routing_settings(), BS)
     calls: list[tuple[str, list[int]]] = []
     gate = asyncio.Event()
@@ -46,10 +62,8 @@ def _fleet(enabled: bool = True) -> tuple[RoutingCore, dict[str, Replica], Warmi
         core.dispatched(d, route)
         core.finished(d, route, Finished(route.prompt_tokens, 0, [7, 7], {}))
         core.ended(d)
-    warming = Warming(core, lambda: members,
-                      lambda: [n for n, r in members.items() if r.up
-                               and n not in warming.warming],
-                      lambda: enabled, lambda: 5.0, {}, lambda: None)
+    warming = Warming(core, lambda: members, lambda: [n for n, r in members.items() if r.up],
+                      lambda: enabled, lambda: timeout_s, {}, lambda: None)
     return core, members, warming, calls, gate
 
 
@@ -65,10 +79,13 @@ def test_a_joining_replica_is_routed_to_once_its_shared_prefixes_are_prefilled()
         assert core.joined("c", BS, 1000)
         warming.joined(new, ["c"])
         new.up = True
-        assert warming.warming == {"c"}  # held while its prefill runs
+        assert warming.holding == {"c"}  # held while its prefill runs
+        assert warming.routable(["a", "b", "c"]) == ["a", "b"]
+        # The others gone (a one-replica rolling update): it is not held from routing.
+        assert warming.routable(["c"]) == ["c"]
         gate.set()
         await _settle()
-        assert warming.warming == set()
+        assert warming.holding == set()
         assert calls == [("c", SYSTEM)]
         assert warming.counts["warm_prefills"] == 1 and warming.counts["warm_tokens"] == 48
 
@@ -102,6 +119,19 @@ def test_switched_off_nothing_is_held_or_sent():
         warming.leaving(["a"])
         gate.set()
         await _settle()
-        assert warming.warming == set() and calls == []
+        assert warming.holding == set() and calls == []
+
+    asyncio.run(run())
+
+
+def test_a_prefill_that_takes_too_long_is_cancelled_and_the_replica_served_cold():
+    async def run() -> None:
+        core, members, warming, calls, gate = _fleet(timeout_s=0.05)
+        new = members["c"] = Replica("c", Handle("c", calls, gate))
+        assert core.joined("c", BS, 1000)
+        warming.joined(new, ["c"])
+        await asyncio.sleep(0.2)  # the gate never opens
+        assert warming.holding == set() and calls == []
+        assert [r.cancelled for r in new.handle.responses] == [True]
 
     asyncio.run(run())
