@@ -211,7 +211,10 @@ def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -
         windows.append({
             "t": lo, "engines": max(eng) if eng else None, "up": min(up) if up else None,
             "requests": len(started), "ttft_p90_s": _r3(p90([r["ttft_s"] for r in started])),
-            "later_ttft_p90_s": _r3(p90([r["ttft_s"] for r in started if r["turn"] > 0]))})
+            "later_ttft_p90_s": _r3(p90([r["ttft_s"] for r in started if r["turn"] > 0])),
+            "later_cached_share": _r3(
+                sum(r["cached"] for r in started if r["turn"] > 0)
+                / max(1, sum(r["prompt"] for r in started if r["turn"] > 0)))})
 
     def share(ws: list[dict]) -> str:
         judged = [w for w in ws if w["ttft_p90_s"] is not None]
