@@ -253,18 +253,17 @@ class RoutingCore:
         router's share; adapter conversations left out, as in warm_plans)."""
         budget = int(sum(self.routable.get(t, 0) for t in staying) * self.block_size
                      * warm_plan.MOVE_SHARE / self.load.routers())
-        kept = ((s, k.ids, k.salt)
-                for s in self.decisions.sessions_on(set(leaving), warm_plan.LIVE_S)
+        kept = ((s, at, k.ids, k.salt)
+                for s, at in self.decisions.sessions_on(set(leaving), warm_plan.LIVE_S)
                 if (k := self.keys.prefixes.get(s)) is not None and k.adapter is None)
-        return warm_plan.moves(kept, budget)
+        return warm_plan.moves(kept, self.block_size, budget)
 
-    def move_target(self, p: warm_plan.Prefill, leaving: list[str],
-                    candidates: list[str]) -> str | None:
+    def move_target(self, p: warm_plan.Prefill, candidates: list[str]) -> str | None:
         """Where moved conversation `p`'s next turn would go among `candidates` (the policy's
         choice for its history, as for a turn); None where its next turn has come (it
         found its own way). `moved` records it once its history is there."""
         assert p.session is not None
-        if not candidates or self.decisions.previous(p.session) not in leaving:
+        if not candidates or self.decisions.last_turn(p.session) != p.at:
             return None
         k = self.keys.prefixes.get(p.session)
         if k is None:
@@ -275,11 +274,11 @@ class RoutingCore:
         route.held, route.reloaded = self.index.match_tiers(route.keys)
         return self.policy.choose(route, candidates).replica
 
-    def moved(self, p: warm_plan.Prefill, leaving: list[str], target: str) -> None:
+    def moved(self, p: warm_plan.Prefill, target: str) -> None:
         """`p`'s history is on `target` now: its next turn's previous replica, unless that
         turn came meanwhile."""
-        assert p.session is not None
-        self.decisions.moved(p.session, set(leaving), target)
+        assert p.session is not None and p.at is not None
+        self.decisions.moved(p.session, p.at, target)
 
     # --- settings -----------------------------------------------------------------------
     def reconfigure(self, settings: RoutingSettings) -> bool:

@@ -31,24 +31,29 @@ class DecisionLog:
         last = self._last_replica.get(session)
         return last[0] if last is not None else None
 
-    def sessions_on(self, targets: set[str], within_s: float) -> list[str]:
+    def sessions_on(self, targets: set[str], within_s: float) -> list[tuple[str, float]]:
         """The conversations whose previous turn went to one of `targets` within the last
-        `within_s` seconds, the most recent first."""
+        `within_s` seconds, with that turn's time, the most recent first."""
         since, out = self._clock() - within_s, []
         for session, (replica, at) in reversed(self._last_replica.items()):
             if at < since:
                 break
             if replica in targets:
-                out.append(session)
+                out.append((session, at))
         return out
 
-    def moved(self, session: str, leaving: set[str], replica: str) -> None:
-        """`session`'s history was prefilled on `replica` because its previous turn's engine
-        (one of `leaving`) left: its next turn's previous replica, at the time of its last
-        turn; nothing where a turn came meanwhile."""
+    def last_turn(self, session: str) -> float | None:
+        """When `session`'s previous turn was routed, if it is remembered."""
         last = self._last_replica.get(session)
-        if last is not None and last[0] in leaving:
-            self._last_replica[session] = (replica, last[1])
+        return last[1] if last is not None else None
+
+    def moved(self, session: str, at: float, replica: str) -> None:
+        """`session`'s history, as its turn routed at `at` left it, was prefilled on
+        `replica` (that turn's engine left): its next turn's previous replica; nothing where
+        a turn came meanwhile."""
+        last = self._last_replica.get(session)
+        if last is not None and last[1] == at:
+            self._last_replica[session] = (replica, at)
 
     def record(self, d: Decision, route: RouteRequest, candidates: list[str],
                block_size: int, retry: bool) -> None:

@@ -23,8 +23,11 @@ WARM_SHARE = 0.25
 """Of a joining engine's KV cache, what its shared prefixes may take."""
 MOVE_SHARE = 0.5
 """Of the staying engines' KV cache, what a leaving engine's conversations may take."""
-RECENT_CONVERSATIONS = 1024
+RECENT_CONVERSATIONS = 256
 """Conversations looked at for shared prefixes (the most recent)."""
+SHARED_BLOCKS = 512
+"""Of each, the leading blocks looked at: at most 256 × 512 hashes counted on the router's
+loop when an engine joins."""
 LIVE_S = 600.0
 """A conversation whose last turn is older than this is not moved (its client has likely
 gone)."""
@@ -42,6 +45,9 @@ class Prefill:
     """Conversations that share it."""
     salt: str | None = None
     """Its cache namespace (vLLM's `cache_salt`): the prefill must hash as its turns do."""
+    at: float | None = None
+    """A moved conversation's: when its last turn was routed (a later turn makes the move
+    moot)."""
 
     def token_ids(self) -> list[int]:
         return self.ids[: self.tokens].tolist()
@@ -62,7 +68,7 @@ def shared_prefixes(histories: Iterable[tuple[array, list[bytes], str | None]],
     tokens (conversations × tokens) first. A block's hash names its whole prefix (vLLM
     chains them, the cache namespace included), so counting hashes counts the
     conversations that share each prefix."""
-    histories = list(histories)
+    histories = [(ids, hashes[:SHARED_BLOCKS], salt) for ids, hashes, salt in histories]
     count: Counter[bytes] = Counter()
     for _, hashes, _ in histories:
         count.update(hashes)
@@ -96,14 +102,15 @@ def within(shared: list[Shared], block_size: int, budget_tokens: int) -> list[Pr
     return chosen
 
 
-def moves(conversations: Iterable[tuple[str, array, str | None]],
-          budget_tokens: int) -> list[Prefill]:
-    """Of a leaving engine's conversations (most recent first, with the token ids each sent
-    last and its cache salt), those to prefill elsewhere, within `budget_tokens`."""
+def moves(conversations: Iterable[tuple[str, float, array, str | None]],
+          block_size: int, budget_tokens: int) -> list[Prefill]:
+    """Of a leaving engine's conversations (most recent first, with their last turn's time,
+    the token ids each sent last and its cache salt), those to prefill elsewhere, within
+    `budget_tokens`; one shorter than a block would cache nothing."""
     out, used = [], 0
-    for session, ids, salt in conversations:
-        if used + len(ids) > budget_tokens:
+    for session, at, ids, salt in conversations:
+        if len(ids) < block_size or used + len(ids) > budget_tokens:
             continue
-        out.append(Prefill(ids, len(ids), session, salt=salt))
+        out.append(Prefill(ids, len(ids), session, salt=salt, at=at))
         used += len(ids)
     return out

@@ -94,4 +94,5 @@ def _status(fleet: FleetView, r: Replica, n: str, core: CoreSnapshot,
         info.engine_pids if info else [],
         devices(info, len(names), i) if info else [], cache_view,
         sorted(info.adapters) if info else [], rank,
-        fleet.warming is not None and n in fleet.warming.holding)
+        fleet.warming is not None and n in fleet.warming.holding
+        and n not in fleet.live_targets())

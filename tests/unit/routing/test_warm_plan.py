@@ -48,11 +48,12 @@ def test_prefixes_are_shared_only_within_one_cache_namespace():
 
 
 def test_moves_keep_the_most_recent_within_the_budget():
-    convs = [("new", array("I", [1] * 30), None), ("big", array("I", [2] * 100), None),
-             ("old", array("I", [3] * 30), "s")]
-    plan = warm_plan.moves(convs, budget_tokens=70)
-    assert [(p.session, p.tokens, p.salt) for p in plan] == [("new", 30, None),
-                                                              ("old", 30, "s")]
+    convs = [("new", 3.0, array("I", [1] * 30), None), ("big", 2.0, array("I", [2] * 100), None),
+             ("tiny", 1.5, array("I", [4] * 10), None), ("old", 1.0, array("I", [3] * 30), "s")]
+    plan = warm_plan.moves(convs, BS, budget_tokens=70)
+    # Too big for what is left, and shorter than a block (it would cache nothing): not moved.
+    assert [(p.session, p.tokens, p.salt, p.at) for p in plan] == [("new", 30, None, 3.0),
+                                                                    ("old", 30, "s", 1.0)]
 
 
 def _turn(c: RoutingCore, session: str, ids: list[int], on: str) -> None:
@@ -82,15 +83,16 @@ def test_a_leaving_engines_conversations_go_where_their_next_turn_would():
     c.left("a")
     # "b" holds the system prompt (s2's turn): the policy sends s4's next turn there, which
     # its decision log says once its history is there.
-    assert c.move_target(plan[0], ["a"], ["b", "c"]) == "b"
+    assert c.move_target(plan[0], ["b", "c"]) == "b"
     assert c.decisions.previous("s4") == "a"
-    c.moved(plan[0], ["a"], "b")
+    c.moved(plan[0], "b")
     assert c.decisions.previous("s4") == "b"
-    assert c.move_target(plan[0], ["a"], ["b", "c"]) is None  # moved already
-    # A turn that came meanwhile found its own way: nothing to move, nothing recorded.
+    # A turn that came meanwhile found its own way (even to an engine of the same name that
+    # came back): nothing to move, nothing recorded.
+    now[0] += 1
     _turn(c, "s3", SYSTEM + [9] * 60, on="c")
-    assert c.move_target(plan[1], ["a"], ["b", "c"]) is None
-    c.moved(plan[1], ["a"], "b")
+    assert c.move_target(plan[1], ["b", "c"]) is None
+    c.moved(plan[1], "b")
     assert c.decisions.previous("s3") == "c"
 
 

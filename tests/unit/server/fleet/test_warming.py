@@ -9,6 +9,7 @@ from typing import Any
 
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.core import Finished, RoutingCore
+from rayattn.server.fleet import warming as warming_module
 from rayattn.server.fleet.replica_set import Replica
 from rayattn.server.fleet.warming import Warming
 
@@ -68,7 +69,7 @@ def _fleet(enabled: bool = True, timeout_s: float = 5.0
 
 
 async def _settle() -> None:
-    for _ in range(10):
+    for _ in range(50):
         await asyncio.sleep(0)
 
 
@@ -92,7 +93,9 @@ def test_a_joining_replica_is_routed_to_once_its_shared_prefixes_are_prefilled()
     asyncio.run(run())
 
 
-def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays():
+def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays(monkeypatch):
+    monkeypatch.setattr(warming_module, "MOVE_DELAY_S", 0.0)
+
     async def run() -> None:
         core, members, warming, calls, gate = _fleet()
         members["a"].up = False
@@ -105,6 +108,21 @@ def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays():
             ("b", [102] * 40), ("b", [101] * 40), ("b", [100] * 40)]
         assert warming.counts["moved_conversations"] == 3
         assert core.decisions.previous("s0") == "b"
+
+    asyncio.run(run())
+
+
+def test_a_replica_back_within_the_move_delay_keeps_its_conversations(monkeypatch):
+    monkeypatch.setattr(warming_module, "MOVE_DELAY_S", 0.01)
+
+    async def run() -> None:
+        core, members, warming, calls, gate = _fleet()
+        members["a"].up = False
+        warming.leaving(["a"])  # Serve updating its config: out of the list for a moment
+        members["a"].up = True
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert calls == [] and warming.counts["moved_conversations"] == 0
 
     asyncio.run(run())
 
