@@ -21,7 +21,9 @@ Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turn
 policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
 whose TTFT p90 is within `--ttft-target-s`, engine-seconds (also per 100 requests), failed
 requests (a turn that raised, or still running 120 s after the ramp, counts), later turns'
-uncached prompt tokens and the share of their prompt tokens found cached.
+uncached prompt tokens and the share of their prompt tokens found cached; of the later turns
+that ran on another replica than their previous turn (moved), the count, cached share and
+TTFT p50.
 
 A policy may carry router settings for its run: `ttft:1.5@warm_engines=false` (the router's
 user_config, values as YAML reads them)."""
@@ -137,6 +139,7 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
         doc = " ".join(rng.choices(WORDS, k=a.doc_words))
         messages = [*system, {"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
         conv = Conversation("", [], name, a.max_tokens)
+        previous = None  # the replica of its previous turn
         for turn in range(a.turns):
             start = loop.time() - t0
             try:
@@ -146,7 +149,9 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
                 return
             results.append({"t": start, "turn": turn, "status": r.status,
                             "ttft_s": r.ttft_s, "prompt": r.prompt_tokens,
-                            "cached": r.cached_tokens, "replica": r.replica})
+                            "cached": r.cached_tokens, "replica": r.replica,
+                            "moved": turn > 0 and r.replica != previous})
+            previous = r.replica
             if r.status != 200:
                 return
             messages += [{"role": "assistant", "content": r.output_text},
@@ -191,6 +196,12 @@ def p90(xs: list[float]) -> float | None:
     from rayattn.bench.stats import percentile
 
     return percentile(sorted(xs), 0.9) if xs else None
+
+
+def percentile50(xs: list[float]) -> float | None:
+    from rayattn.bench.stats import percentile
+
+    return percentile(sorted(xs), 0.5) if xs else None
 
 
 def _r3(x: float | None) -> float | None:
@@ -241,6 +252,12 @@ def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -
         "later_uncached_tokens": sum(r["prompt"] - r["cached"] for r in later),
         "later_cached_share": _r3(sum(r["cached"] for r in later)
                                   / max(1, sum(r["prompt"] for r in later))),
+        # Later turns on another replica than their previous turn's (its engine left, or
+        # the router balanced): what warming (router.warm_engines) prefills ahead.
+        "moved_turns": len(moved := [r for r in later if r["moved"]]),
+        "moved_cached_share": _r3(sum(r["cached"] for r in moved)
+                                  / max(1, sum(r["prompt"] for r in moved))),
+        "moved_ttft_p50_s": _r3(percentile50([r["ttft_s"] for r in moved])),
         "windows": windows}
 
 
