@@ -29,10 +29,6 @@ from rayattn.server.fleet.replica_set import Replica
 
 log = logging.getLogger("rayattn.router")
 
-MOVE_DELAY_S = 2.0
-"""How long after a replica left its conversations are moved: one that drops out of Serve's
-list for a moment (Serve updating its config) is back by then, its cache with it."""
-
 COUNTS = ("warm_prefills", "warm_tokens", "moved_conversations", "moved_tokens")
 """The router's counts of it (/health): prefills for joining engines and the tokens they
 computed; conversations moved and the tokens their prefills computed."""
@@ -138,14 +134,15 @@ class Warming:
     async def _move(self, plan: list[Prefill], leaving: list[str]) -> None:
         """One conversation at a time: a move competes with the staying engines' own
         requests."""
-        await asyncio.sleep(MOVE_DELAY_S)
-        back = [t for t in leaving if (r := self._members().get(replica_of(t))) is not None
-                and r.up]
-        if back:
-            log.info("engine %s is back: its conversations stay", replica_of(back[0]))
-            return
         moved = 0
         for p in plan:
+            # At once: a conversation's next turn can come within a second (an agent). A
+            # replica that only dropped out of Serve's list for a moment (Serve updating its
+            # config) is back with its cache: the rest stay.
+            if [t for t in leaving if (r := self._members().get(replica_of(t))) is not None
+                    and r.up]:
+                log.info("engine %s is back: its conversations stay", replica_of(leaving[0]))
+                break
             target = self.core.move_target(p, self.routable(self._up()))
             r = self._members().get(replica_of(target)) if target is not None else None
             if target is None or r is None:

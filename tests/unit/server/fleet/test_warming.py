@@ -9,7 +9,6 @@ from typing import Any
 
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.core import Finished, RoutingCore
-from rayattn.server.fleet import warming as warming_module
 from rayattn.server.fleet.replica_set import Replica
 from rayattn.server.fleet.warming import Warming
 
@@ -93,9 +92,7 @@ def test_a_joining_replica_is_routed_to_once_its_shared_prefixes_are_prefilled()
     asyncio.run(run())
 
 
-def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays(monkeypatch):
-    monkeypatch.setattr(warming_module, "MOVE_DELAY_S", 0.0)
-
+def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays():
     async def run() -> None:
         core, members, warming, calls, gate = _fleet()
         members["a"].up = False
@@ -112,17 +109,17 @@ def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays(mo
     asyncio.run(run())
 
 
-def test_a_replica_back_within_the_move_delay_keeps_its_conversations(monkeypatch):
-    monkeypatch.setattr(warming_module, "MOVE_DELAY_S", 0.01)
-
+def test_a_replica_that_comes_back_keeps_the_conversations_not_moved_yet():
     async def run() -> None:
         core, members, warming, calls, gate = _fleet()
         members["a"].up = False
         warming.leaving(["a"])  # Serve updating its config: out of the list for a moment
+        await _settle()  # the first move waits on the engine
         members["a"].up = True
         gate.set()
-        await asyncio.sleep(0.05)
-        assert calls == [] and warming.counts["moved_conversations"] == 0
+        await _settle()
+        assert [n for n, _ in calls] == ["b"]
+        assert warming.counts["moved_conversations"] == 1
 
     asyncio.run(run())
 
