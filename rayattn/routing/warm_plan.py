@@ -64,10 +64,11 @@ class Shared:
 
 def shared_prefixes(histories: Iterable[tuple[array, list[bytes], str | None]],
                     block_size: int) -> list[Shared]:
-    """The longest prefixes (whole blocks) at least two of `histories` share, the most shared
-    tokens (conversations × tokens) first. A block's hash names its whole prefix (vLLM
-    chains them, the cache namespace included), so counting hashes counts the
-    conversations that share each prefix."""
+    """The longest prefixes (whole blocks) at least two of `histories` share, the most widely
+    shared first (what new conversations will need: the live ones' system or tool prompt
+    before a document two old ones shared), then the longest. A block's hash names its
+    whole prefix (vLLM chains them, the cache namespace included), so counting hashes counts
+    the conversations that share each prefix."""
     histories = [(ids, hashes[:SHARED_BLOCKS], salt) for ids, hashes, salt in histories]
     count: Counter[bytes] = Counter()
     for _, hashes, _ in histories:
@@ -81,7 +82,7 @@ def shared_prefixes(histories: Iterable[tuple[array, list[bytes], str | None]],
             deepest[hashes[depth - 1]] = Shared(
                 Prefill(ids, depth * block_size, None, count[hashes[depth - 1]], salt),
                 hashes[:depth])
-    return sorted(deepest.values(), key=lambda s: -s.prefill.sessions * s.prefill.tokens)
+    return sorted(deepest.values(), key=lambda s: (-s.prefill.sessions, -s.prefill.tokens))
 
 
 def within(shared: list[Shared], block_size: int, budget_tokens: int) -> list[Prefill]:

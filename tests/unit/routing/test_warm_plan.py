@@ -20,21 +20,21 @@ def history(keys: PromptKeys, ids: list[int], salt: str | None = None
     return array("I", ids), keys.hasher.full_hashes(ids, [], salt), salt
 
 
-def test_the_longest_prefix_shared_first_and_what_it_contains_not_again():
+def test_the_most_widely_shared_prefix_first_then_the_longer_ones():
     keys = PromptKeys(BS)
     h = [history(keys, SYSTEM + DOCUMENT + [7] * 20),
          history(keys, SYSTEM + DOCUMENT + [8] * 40),
          history(keys, SYSTEM + [9] * 50),
          history(keys, [5] * 100)]  # shares nothing
-    # The document's prefix (2 conversations × 6 blocks) before the system prompt (3 × 2),
-    # which it contains.
+    # The system prompt (3 conversations) before the document's prefix (2), which adds its
+    # own blocks to it.
     shared = warm_plan.shared_prefixes(h, BS)
     plan = warm_plan.within(shared, BS, budget_tokens=10_000)
-    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM + DOCUMENT, 2)]
-    # Too small a budget for the whole document: its leading blocks, the system prompt in
-    # them; nothing beyond the budget.
-    plan = warm_plan.within(shared, BS, budget_tokens=4 * BS + 5)
-    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM + DOCUMENT[:2 * BS], 2)]
+    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM, 3), (SYSTEM + DOCUMENT, 2)]
+    # Too small a budget for the whole document: its leading blocks; nothing beyond.
+    plan = warm_plan.within(shared, BS, budget_tokens=5 * BS + 5)
+    assert [(p.token_ids(), p.sessions) for p in plan] == [(SYSTEM, 3),
+                                                           (SYSTEM + DOCUMENT[:BS], 2)]
     assert warm_plan.shared_prefixes(h[2:], BS) == []
 
 
