@@ -90,6 +90,18 @@ class EngineReplica:
     def _pinned(self, target: str | None) -> None:
         check_target(target, self.replica_id)
 
+    def _runnable(self, target: str | None, engine_rank: int | None) -> None:
+        """A call for this replica's engine, on one of its DP ranks, can run here."""
+        self._pinned(target)
+        if self.engine.errored:
+            # Distinct from vLLM's EngineDeadError for requests it was running: the router
+            # retries this one elsewhere, and not those.
+            raise EngineDown(f"engine of {self.replica_id} is dead")
+        if engine_rank is not None and not 0 <= engine_rank < self.dp_ranks:
+            # A replica keeps its ranks for life (a replacement has a new id), so the router
+            # asked for a rank it never saw: its own bug, answered 500, not retried.
+            raise RuntimeError(f"engine of {self.replica_id} has no DP rank {engine_rank}")
+
     async def info(self, target: str | None) -> EngineInfo:
         """Engine facts the router needs (KV capacity in blocks, block size) plus liveness."""
         self._pinned(target)
@@ -216,11 +228,7 @@ class EngineReplica:
         a joining engine with the prefixes many conversations share, and prefill a leaving
         engine's conversations where their next turns will go (routing/warm_plan.py).
         Returns the tokens it found cached already."""
-        self._pinned(target)
-        if self.engine.errored:
-            raise EngineDown(f"engine of {self.replica_id} is dead")
-        if engine_rank is not None and not 0 <= engine_rank < self.dp_ranks:
-            raise RuntimeError(f"engine of {self.replica_id} has no DP rank {engine_rank}")
+        self._runnable(target, engine_rank)
         with self.inflight.counting(engine_rank, ""):  # no router's own request
             return await prefill(self.engine, token_ids, f"warm-{uuid.uuid4().hex}",
                                  engine_rank, cache_salt)
@@ -245,16 +253,7 @@ class EngineReplica:
     async def serve(self, target: str | None, req: OpenAIRequest) -> AsyncIterator[Reply]:
         """One OpenAI request through vLLM's serving layer, counted in this engine's
         in-flight requests per sending router while it runs."""
-        self._pinned(target)
-        if self.engine.errored:
-            # Distinct from vLLM's EngineDeadError for requests it was running: the router
-            # retries this one elsewhere, and not those.
-            raise EngineDown(f"engine of {self.replica_id} is dead")
-        if req.engine_rank is not None and not 0 <= req.engine_rank < self.dp_ranks:
-            # A replica keeps its ranks for life (a replacement has a new id), so the router
-            # asked for a rank it never saw: its own bug, answered 500, not retried.
-            raise RuntimeError(f"engine of {self.replica_id} has no DP rank "
-                               f"{req.engine_rank}")
+        self._runnable(target, req.engine_rank)
         layer = await self.openai.get()
         with self.inflight.counting(req.engine_rank, req.origin):
             async for item in layer.serve(req):

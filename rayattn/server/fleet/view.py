@@ -5,7 +5,6 @@ stops answering (server/fleet/replica_set.py decides which)."""
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 
 from rayattn.engine.protocol import EngineInfo
@@ -16,9 +15,6 @@ from rayattn.server.fleet.adapters import AdapterRegistry
 from rayattn.server.fleet.kv_feeds import KVFeeds
 from rayattn.server.fleet.replica_set import Replica, ReplicaSet
 from rayattn.server.fleet.warming import Warming
-
-DEPARTED_KEPT = 64
-"""Departed replicas remembered (by name, with their engine's pid)."""
 
 
 class FleetView:
@@ -35,9 +31,6 @@ class FleetView:
         self.replicas = ReplicaSet(engines, self._joined, self._left, on_info=self._probed)
         self.warming: Warming | None = None
         """Warms joining replicas and moves leaving ones' conversations (the dispatcher's)."""
-        self._departed: OrderedDict[str, int | None] = OrderedDict()
-        """Replicas that left the deployment lately, with their engine's pid: one back under
-        the same pid (Serve updated its config) kept its cache and is not warmed."""
 
     @property
     def members(self) -> dict[str, Replica]:
@@ -88,8 +81,7 @@ class FleetView:
                     self.core.left(joined)
                 return False
         self._follow(r)
-        came_back = self._departed.pop(r.name, None) == info.pid
-        if self.warming is not None and not r.up and not came_back:  # up: retargeted
+        if self.warming is not None and not r.up:  # up already: the same replica retargeted
             self.warming.joined(r, names)
         self._on_join()
         return True
@@ -112,10 +104,7 @@ class FleetView:
         # that died may have died of its last request (a query of death), not to be sent
         # elsewhere. Up still: the same replica retargeted.
         if self.warming is not None and not r.up and r.name not in self.members:
-            self._departed[r.name] = r.pid
-            while len(self._departed) > DEPARTED_KEPT:
-                self._departed.popitem(last=False)
-            self.warming.leaving(self.targets(r))
+            self.warming.leaving(r, self.targets(r))
         for name in self.targets(r):
             if self._metrics is not None:
                 self._metrics.left(name)

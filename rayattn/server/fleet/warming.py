@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,9 @@ from rayattn.server.background import detached
 from rayattn.server.fleet.replica_set import Replica
 
 log = logging.getLogger("rayattn.router")
+
+DEPARTED_KEPT = 64
+"""Replicas that left the deployment lately, remembered by name with their engine's pid."""
 
 COUNTS = ("warm_prefills", "warm_tokens", "moved_conversations", "moved_tokens")
 """The router's counts of it (/health): prefills for joining engines and the tokens they
@@ -51,6 +55,9 @@ class Warming:
             counts.setdefault(key, 0)
         self._on_warm = on_warm
         self._metrics = metrics
+        self._departed: OrderedDict[str, int | None] = OrderedDict()
+        """Replicas that left the deployment lately, with their engine's pid: one back under
+        the same pid (Serve updated its config) kept its cache and is not warmed."""
         self._holds: dict[str, object] = {}
         """Targets held out of routing while they are warmed, each by the warming that
         holds it (a replica that comes back while its first warming runs is held anew)."""
@@ -58,6 +65,8 @@ class Warming:
     def routable(self, targets: list[str]) -> list[str]:
         """Of the targets up, those routed to: all but the held ones, or every one where
         only held ones are up."""
+        if not self._holds:  # the per-request path, nearly always
+            return targets
         free = [t for t in targets if t not in self._holds]
         return free or targets
 
@@ -69,6 +78,9 @@ class Warming:
     def joined(self, r: Replica, targets: list[str]) -> None:
         """`r` joined as `targets`: where other targets serve and the router's conversations
         share prefixes, hold them out of routing while those are prefilled."""
+        if r.name in self._departed and \
+                self._departed.pop(r.name) == (r.info.pid if r.info else None):
+            return  # back under the same engine process: its cache with it
         if not (self._enabled() and self.core.warms_engines) or \
                 not [t for t in self.routable(self._up()) if t not in targets]:
             return
@@ -79,9 +91,12 @@ class Warming:
                 self._holds[t] = token
             detached(self._warm(r, plans, token))
 
-    def leaving(self, targets: list[str]) -> None:
-        """`targets` (one replica's) are about to leave the routing core: prefill their live
-        conversations on the targets that stay."""
+    def leaving(self, r: Replica, targets: list[str]) -> None:
+        """`r`, as `targets`, left the deployment and is about to leave the routing core:
+        prefill their live conversations on the targets that stay."""
+        self._departed[r.name] = r.pid
+        while len(self._departed) > DEPARTED_KEPT:
+            self._departed.popitem(last=False)
         staying = [t for t in self._up() if t not in targets]
         if not (self._enabled() and self.core.warms_engines) or not staying:
             return

@@ -5,6 +5,7 @@ where their next turns go, and a setting switched off does neither."""
 from __future__ import annotations
 
 import asyncio
+import types
 from typing import Any
 
 from rayattn.config.schema import RouterConfig
@@ -96,7 +97,7 @@ def test_a_leaving_replicas_conversations_are_prefilled_on_the_one_that_stays():
     async def run() -> None:
         core, members, warming, calls, gate = _fleet()
         members["a"].up = False
-        warming.leaving(["a"])
+        warming.leaving(members["a"], ["a"])
         core.left("a")
         gate.set()
         await _settle()
@@ -113,7 +114,8 @@ def test_a_replica_that_comes_back_keeps_the_conversations_not_moved_yet():
     async def run() -> None:
         core, members, warming, calls, gate = _fleet()
         members["a"].up = False
-        warming.leaving(["a"])  # Serve updating its config: out of the list for a moment
+        # Serve updating its config: out of the list for a moment
+        warming.leaving(members["a"], ["a"])
         await _settle()  # the first move waits on the engine
         members["a"].up = True
         gate.set()
@@ -131,7 +133,7 @@ def test_switched_off_nothing_is_held_or_sent():
         assert core.joined("c", BS, 1000)
         warming.joined(new, ["c"])
         members["a"].up = False
-        warming.leaving(["a"])
+        warming.leaving(members["a"], ["a"])
         gate.set()
         await _settle()
         assert warming.holding == set() and calls == []
@@ -148,5 +150,25 @@ def test_a_prefill_that_takes_too_long_is_cancelled_and_the_replica_served_cold(
         await asyncio.sleep(0.2)  # the gate never opens
         assert warming.holding == set() and calls == []
         assert [r.cancelled for r in new.handle.responses] == [True]
+
+    asyncio.run(run())
+
+
+def test_a_replica_back_under_the_same_engine_process_is_not_warmed():
+    async def run() -> None:
+        core, members, warming, calls, gate = _fleet()
+        a = members["a"]
+        a.pid, a.up = 7, False
+        warming.leaving(a, ["a"])  # Serve updating its config
+        back = Replica("a", a.handle, info=types.SimpleNamespace(pid=7))
+        warming.joined(back, ["a"])
+        assert warming.holding == set()
+        other = Replica("c", Handle("c", calls, gate), info=types.SimpleNamespace(pid=8))
+        members["c"] = other
+        assert core.joined("c", BS, 1000)
+        warming.joined(other, ["c"])  # a new one is
+        assert warming.holding == {"c"}
+        gate.set()
+        await _settle()
 
     asyncio.run(run())
