@@ -18,6 +18,10 @@ engine beside it on the same GPU has free places. Without that term, conversatio
 sharing a prompt cached on one of two engines of one GPU all stayed on that engine
 (docs/log/gpu-one-gpu-contest.md).
 
+The last term counts only while some candidate has a free place in its batch: past every
+engine's batch, a shorter queue seats a request sooner only by seating the next one there
+later, and the move would buy nothing but the recompute.
+
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
 batch), so affinity can never build a hot spot, and never moves a conversation off its
@@ -142,8 +146,16 @@ class Affinity(Policy):
         for a place in its batch."""
         c = self.cost
         costs: dict[str, float] = {}
-        slots: dict[str, float] = {}
         device_load = self.load.device_load()
+        slots = {r: self._slot_wait(req, r) for r in allowed}
+        if all(slots.values()):
+            # Every candidate is past its batch: a place that ends on one engine is taken by
+            # the next request there, so the shorter queue seats this request sooner only
+            # by seating the next one later. The waits add up the same wherever it goes,
+            # while a move recomputes its history in front of everyone queued there; the
+            # queues' lengths differ by what each router has yet to hear of the others'
+            # requests. The load guard alone keeps them within bounds.
+            slots = dict.fromkeys(allowed, 0.0)
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
             if cached < floor:
@@ -154,7 +166,6 @@ class Affinity(Policy):
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
             pending, inflight = device_load.get(r, (0, 0))
-            slots[r] = self._slot_wait(req, r)
             wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request + slots[r]
             reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token

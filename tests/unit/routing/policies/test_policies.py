@@ -136,6 +136,28 @@ def test_the_wait_for_a_place_is_priced_by_the_output_requests_run_to():
     assert d.replica == "r0" and d.reason == "affinity_hit"
 
 
+def test_past_every_batch_a_shorter_queue_does_not_move_a_conversation():
+    """Both engines past their batch: the conversation stays with its history although a
+    place there costs more than its recompute (a place seated sooner on the other engine is
+    one seated later for the next request there). Once the other engine has a free place,
+    the same queue moves it (`batch_wait`), and the guard still moves it off a hot spot."""
+    history = list(range(3001, 3121))  # 120 blocks of its own history on r0
+    pol, load, names = busy_holder(10, batch={"r0": 8, "r1": 8})
+    pol.index.insert("r0", history)
+    own = RouteRequest(history + [9], (len(history) + 1) * BS, history[0], "s-old")
+    for _ in range(9):  # r1 past its batch too: 2 places to wait for against r0's 3
+        load.acquire("r1", 0)
+    d = pol.choose(own, names)
+    assert d.replica == "r0" and d.reason == "affinity_hit"
+    for _ in range(2):  # r1 under its batch: no place to wait for there
+        load.release("r1", 0)
+    d = pol.choose(own, names)
+    assert d.replica == "r1" and d.reason == "batch_wait"
+    for _ in range(4):  # r0 at 14 against 7: past the guard's bound
+        load.acquire("r0", 0)
+    assert pol.choose(own, names).reason == "load_guard"
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 16), st.floats(0.0, 1.0), st.integers(0, 2**32))
 @example(11, 0.32, 0)  # (1+ε)·m is exactly 3 at one step: the float order decides the cap
