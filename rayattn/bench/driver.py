@@ -9,6 +9,7 @@ import json
 import random
 import time
 import uuid
+from collections import Counter
 from collections.abc import AsyncIterator
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -302,6 +303,9 @@ def summarize(results: list[Result], wall_s: float) -> dict[str, Any]:
         # The router's own account (rayattn only): conversations it moved, and tokens it
         # sent to be recomputed although another replica held them.
         "moves": sum(1 for r in ok if r.moved_from) if ours else None,
+        # Why they moved: the router's reason for each (load_guard, batch_wait, ...).
+        "move_reasons": (dict(Counter(r.reason for r in ok if r.moved_from).most_common())
+                         if ours else None),
         "regret_tokens": sum(r.regret_tokens for r in ok) if ours else None,
         "hops": hop_summary(ok) if ours else None,
         "rendered_by_router": sum(1 for r in ok if r.rendered_by_router) if ours else None,

@@ -11,7 +11,7 @@ from typing import Any
 
 from aiohttp import web
 
-from rayattn.bench.driver import run_workload
+from rayattn.bench.driver import Result, run_workload, summarize
 from rayattn.bench.workloads import Conversation, Workload
 
 LONG = "y" * 100_000  # one SSE line beyond aiohttp's own 64 KiB line limit
@@ -175,7 +175,7 @@ def test_the_oracle_counts_the_generated_tokens_an_engine_caches():
     generated ids, the last is never cached (no step computes its KV)."""
     from transformers import AutoTokenizer
 
-    from rayattn.bench.driver import Result, cached_output, oracle
+    from rayattn.bench.driver import cached_output, oracle
     from rayattn.models.embedded import resolve_embedded
 
     tok = AutoTokenizer.from_pretrained(resolve_embedded("rayattn://smollm2-135m"))
@@ -193,3 +193,17 @@ def test_the_oracle_counts_the_generated_tokens_an_engine_caches():
     # The ids the engine generated are the text's own (a real model): the answer's blocks
     # count. Other ids (a random model's): only the earlier prompt's blocks do.
     assert run(None) == run(text_ids) > run([7] * len(text_ids)) > 0
+
+
+def test_the_summary_says_why_the_router_moved_conversations():
+    """Moves are counted with the router's reason for each (the GPU bench's log line), and
+    a peer, which says nothing of its choices, has none."""
+    def result(turn: int, reason: str, moved_from: str | None, predicted: int) -> Result:
+        return Result("c", turn, 100, 0, 4, 0.1, 0.2, "r0", "extend", reason, 200, 0.0,
+                      predicted_cached_tokens=predicted, moved_from=moved_from)
+
+    ours = [result(1, "session", None, 64), result(2, "batch_wait", "r1", 0),
+            result(3, "load_guard", "r1", 0), result(4, "load_guard", "r0", 0)]
+    s = summarize(ours, 1.0)
+    assert s["moves"] == 3 and s["move_reasons"] == {"load_guard": 2, "batch_wait": 1}
+    assert summarize([result(1, "", None, -1)], 1.0)["move_reasons"] is None
