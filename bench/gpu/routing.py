@@ -357,8 +357,9 @@ def main() -> int:
                     f"hit={s['hit_rate']:.3f} ttft p50={s['ttft_p50_s']:.3f} "
                     f"p90={s['ttft_p90_s']:.3f} later p50={s['later_ttft_p50_s']:.3f} "
                     f"p90={s['later_ttft_p90_s']:.3f} out tok/s={s['output_tok_per_s']:.0f} "
-                    f"wall={wall:.1f}s moves={s['moves']} {s.get('move_reasons') or ''} "
-                    f"regret={s['regret_tokens']} "
+                    f"wall={wall:.1f}s moves={s['moves']}"
+                    + (f" {s['move_reasons']}" if s.get("move_reasons") else "")
+                    + f" regret={s['regret_tokens']} "
                     f"split={s['per_replica']}{'' if run.get('cold') else ' NOT COLD'}"
                     + (f" routers={s['routers']}" if "routers" in s else "")
                     # One router's count since start (the one /health reached).

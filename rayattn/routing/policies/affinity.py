@@ -154,7 +154,8 @@ class Affinity(Policy):
             # by seating the next one later. The waits add up the same wherever it goes,
             # while a move recomputes its history in front of everyone queued there; the
             # queues' lengths differ by what each router has yet to hear of the others'
-            # requests. The load guard alone keeps them within bounds.
+            # requests. The load guard alone keeps them within bounds across devices;
+            # between engines of one GPU, one with a free place still takes the next ones.
             slots = dict.fromkeys(allowed, 0.0)
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
