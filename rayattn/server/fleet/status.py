@@ -68,12 +68,15 @@ class RouterSnapshot:
 def engines(fleet: FleetView, core: CoreSnapshot, kv_admission: bool
             ) -> dict[str, EngineStatus]:
     """Every target of every replica Serve lists, up or not."""
-    return {n: _status(fleet, r, n, core, kv_admission)
+    # Held for warming and not routed to (the last ones up are routed to all the same).
+    warming = set(fleet.warming.holding) - set(fleet.live_targets()) \
+        if fleet.warming is not None else set()
+    return {n: _status(fleet, r, n, core, kv_admission, n in warming)
             for r in fleet.members.values() for n in fleet.targets(r)}
 
 
 def _status(fleet: FleetView, r: Replica, n: str, core: CoreSnapshot,
-            kv_admission: bool) -> EngineStatus:
+            kv_admission: bool, warming: bool) -> EngineStatus:
     info, view = r.info, core.routable.get(n)
     names = fleet.targets(r)
     i, rank = names.index(n), split(n)[1]
@@ -93,6 +96,4 @@ def _status(fleet: FleetView, r: Replica, n: str, core: CoreSnapshot,
         info.backend if info else None, info.block_size if info else None,
         info.engine_pids if info else [],
         devices(info, len(names), i) if info else [], cache_view,
-        sorted(info.adapters) if info else [], rank,
-        fleet.warming is not None and n in fleet.warming.holding
-        and n not in fleet.live_targets())
+        sorted(info.adapters) if info else [], rank, warming)

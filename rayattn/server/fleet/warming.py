@@ -78,8 +78,7 @@ class Warming:
     def joined(self, r: Replica, targets: list[str]) -> None:
         """`r` joined as `targets`: where other targets serve and the router's conversations
         share prefixes, hold them out of routing while those are prefilled."""
-        if r.name in self._departed and \
-                self._departed.pop(r.name) == (r.info.pid if r.info else None):
+        if r.name in self._departed and self._departed.pop(r.name) == r.pid:
             return  # back under the same engine process: its cache with it
         if not (self._enabled() and self.core.warms_engines) or \
                 not [t for t in self.routable(self._up()) if t not in targets]:
@@ -154,8 +153,8 @@ class Warming:
             # At once: a conversation's next turn can come within a second (an agent). A
             # replica that only dropped out of Serve's list for a moment (Serve updating its
             # config) is back with its cache: the rest stay.
-            if [t for t in leaving if (r := self._members().get(replica_of(t))) is not None
-                    and r.up]:
+            if any((r := self._members().get(replica_of(t))) is not None and r.up
+                   for t in leaving):
                 log.info("engine %s is back: its conversations stay", replica_of(leaving[0]))
                 break
             target = self.core.move_target(p, self.routable(self._up()))

@@ -160,10 +160,11 @@ def test_a_replica_back_under_the_same_engine_process_is_not_warmed():
         a = members["a"]
         a.pid, a.up = 7, False
         warming.leaving(a, ["a"])  # Serve updating its config
-        back = Replica("a", a.handle, info=types.SimpleNamespace(pid=7))
+        back = Replica("a", a.handle, pid=7, info=types.SimpleNamespace(pid=7))
         warming.joined(back, ["a"])
         assert warming.holding == set()
-        other = Replica("c", Handle("c", calls, gate), info=types.SimpleNamespace(pid=8))
+        other = Replica("c", Handle("c", calls, gate), pid=8,
+                        info=types.SimpleNamespace(pid=8))
         members["c"] = other
         assert core.joined("c", BS, 1000)
         warming.joined(other, ["c"])  # a new one is
