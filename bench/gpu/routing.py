@@ -192,6 +192,43 @@ def chat(url: str, name: str, words: int, tag: str) -> dict:
     return r.json().get("usage", {})
 
 
+def moved_detail(res: list) -> dict:
+    """What the router saw when it moved a conversation: whether its index still held the
+    history on the previous turn's engine (regret > 0: the costs outweighed it; 0: the view
+    had lost it), and a few moved requests' costs and loads as the router priced them."""
+    moved = [r for r in res if r.status == 200 and r.moved_from]
+    held = [r for r in moved if r.regret_tokens > 0]
+    return {"moved": len(moved), "index_held_history": len(held),
+            "regret_tokens_p50": sorted(r.regret_tokens for r in held)[len(held) // 2]
+            if held else 0,
+            "examples": [{"turn": r.turn, "reason": r.route_reason, "from": r.moved_from,
+                          "to": r.replica, "prompt": r.prompt_tokens, "cached": r.cached_tokens,
+                          "regret": r.regret_tokens, "costs": r.costs, "loads": r.loads}
+                         for r in moved[:4]]}
+
+
+def routers_view(url: str, tries: int = 16) -> dict:
+    """Every router's own account since its start (the balancer spreads /health calls
+    without a session header over them): moves by reason, and per engine the times its
+    probes failed or were slow and its KV event feed resynced or went stale."""
+    import httpx
+
+    seen: dict = {}
+    for _ in range(tries):
+        try:
+            h = httpx.get(f"{url}/health", timeout=30).json()
+        except Exception:  # one router busy: the others still answer
+            continue
+        seen[h.get("router_pid")] = {
+            "moves": h.get("session_moves"),
+            "engines": {n: {"downs": e["downs"], "slow_probes": e["slow_probes"],
+                            "resyncs": e["cache_view"].get("resyncs"),
+                            "stale": e["cache_view"].get("stale"),
+                            "blocks": e["cache_view"].get("blocks")}
+                        for n, e in (h.get("engines") or {}).items()}}
+    return seen
+
+
 def main() -> int:
     # `timeout` sends SIGTERM: exit through the finally blocks so the results are written.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
@@ -347,6 +384,11 @@ def main() -> int:
                     stalls = {k: v for k, v in run["router_counts"].items()
                               if k.startswith(("loop_", "gc_"))}
                     log(f"  router stalls since start: {stalls}")
+                    run["routers_view"] = routers_view(app.url)
+                    for pid, v in run["routers_view"].items():
+                        log(f"  router {pid}: moves {v['moves']} engines {v['engines']}")
+                    run["moved"] = moved_detail(res)
+                    log(f"  moved: {run['moved']}")
                 run["client_stalls"] = dict(CLIENT_STALLS)
                 log(f"  client stalls: {CLIENT_STALLS}")
                 run["summary"], run["results"] = s, results_json(res)

@@ -42,6 +42,7 @@ import heapq
 import json
 import random
 import time
+import zlib
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -366,7 +367,9 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         if kind in (0, 3):
             i, arrived = (payload, t) if kind == 0 else payload  # type: ignore[misc]
             req = trace[i]
-            rt = i % routers if concurrency is None else req.turn % routers
+            # The front door hashes the session header (HAProxy's hdr balance, as the
+            # deployments run it): every turn of a conversation reaches the same router.
+            rt = zlib.crc32(req.session.encode()) % routers
             core = cores[rt]
             report_load()
             route = RouteRequest(req.keys, req.prompt_tokens,
