@@ -201,7 +201,7 @@ def moved_detail(res: list) -> dict:
     return {"moved": len(moved), "index_held_history": len(held),
             "regret_tokens_p50": sorted(r.regret_tokens for r in held)[len(held) // 2]
             if held else 0,
-            "examples": [{"turn": r.turn, "reason": r.route_reason, "from": r.moved_from,
+            "examples": [{"turn": r.turn, "reason": r.reason, "from": r.moved_from,
                           "to": r.replica, "prompt": r.prompt_tokens, "cached": r.cached_tokens,
                           "regret": r.regret_tokens, "costs": r.costs, "loads": r.loads}
                          for r in moved[:4]]}

@@ -18,9 +18,11 @@ engine beside it on the same GPU has free places. Without that term, conversatio
 sharing a prompt cached on one of two engines of one GPU all stayed on that engine
 (docs/log/gpu-one-gpu-contest.md).
 
-The last term counts only while some candidate has a free place in its batch: past every
-engine's batch, a shorter queue seats a request sooner only by seating the next one there
-later, and the move would buy nothing but the recompute.
+The wait counts only while some candidate has a free place in its batch. Past every
+engine's batch, a shorter queue (of places, of queued prefill work, of co-running decodes)
+seats a request sooner only by seating the next one there later: the waits add up the same
+wherever it goes, and a move buys nothing but the recompute. There the work decides (the
+engine holding the most of the prompt), and the load guard bounds the queues.
 
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
@@ -78,6 +80,11 @@ class AffinityFields(BaseModel):
     """Initial cost per cached context token an extend attends to; refitted online."""
     decode_s_per_request: float = Field(5e-3, ge=0)
     """Cost an in-flight decode adds to a new request's wait."""
+    weigh_queues_past_batch: bool = False
+    """`affinity`: keep weighing the queued prefill work and the co-running decodes (not the
+    wait for a place) while every candidate is past its batch. Off: past every batch only the
+    work decides; on two H200s at 512 conversations the queue terms moved document chats
+    off their histories to skip a queue the next request then joined (docs/routing.md)."""
     reload_cost_fraction: float = Field(0.1, ge=0, le=1)
     """`affinity`: what reloading a cached token from an engine's host-memory KV tier
     (engine.kv_offload) costs, as a fraction of prefilling it. A copy over the host link is
@@ -93,10 +100,12 @@ class Affinity(Policy):
     name = "affinity"
 
     def __init__(self, ctx: PolicyContext, *, cost: CostModel, epsilon: float,
-                 min_match_fraction: float = 0.1, slack: int = 0) -> None:
+                 min_match_fraction: float = 0.1, slack: int = 0,
+                 weigh_queues_past_batch: bool = False) -> None:
         super().__init__(ctx)
         self.cost, self.epsilon, self.slack = cost, epsilon, slack
         self.min_match_fraction = min_match_fraction
+        self.weigh_queues_past_batch = weigh_queues_past_batch
 
     def allowed(self, replicas: list[str]) -> list[str]:
         """The bounded-load guard, per device (engines sharing a GPU are one unit: moving
@@ -148,7 +157,8 @@ class Affinity(Policy):
         costs: dict[str, float] = {}
         device_load = self.load.device_load()
         slots = {r: self._slot_wait(req, r) for r in allowed}
-        if all(slots.values()):
+        saturated = all(slots.values())
+        if saturated:
             # Every candidate is past its batch: a place that ends on one engine is taken by
             # the next request there, so the shorter queue seats this request sooner only
             # by seating the next one later. The waits add up the same wherever it goes,
@@ -157,6 +167,9 @@ class Affinity(Policy):
             # requests. The load guard alone keeps them within bounds across devices;
             # between engines of one GPU, one with a free place still takes the next ones.
             slots = dict.fromkeys(allowed, 0.0)
+        # The same holds for the prefill work queued there and the decodes running there:
+        # one engine's queue is shorter only until the next request joins it.
+        queues = not saturated or self.weigh_queues_past_batch
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
             if cached < floor:
@@ -166,7 +179,7 @@ class Affinity(Policy):
                 cached = 0
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
-            pending, inflight = device_load.get(r, (0, 0))
+            pending, inflight = device_load.get(r, (0, 0)) if queues else (0, 0)
             wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request + slots[r]
             reload = self.reloaded_tokens(req, r) if cached else 0
             costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
@@ -274,7 +287,8 @@ def _build(ctx: PolicyContext, params: AffinityParams) -> Affinity:
     cost = CostModel(params.prefill_s_per_token, params.extend_s_per_context_token,
                      params.decode_s_per_request, params.reload_cost_fraction)
     return Affinity(ctx, cost=cost, epsilon=params.load_epsilon,
-                    min_match_fraction=params.min_match_fraction, slack=params.load_slack)
+                    min_match_fraction=params.min_match_fraction, slack=params.load_slack,
+                    weigh_queues_past_batch=params.weigh_queues_past_batch)
 
 
 SPEC = PolicySpec(

@@ -32,7 +32,7 @@ FLAT_NAMES = {
     "kv_admission_fill", "kv_admission_protect", "dp_rank_routing", "load_epsilon",
     "load_slack", "min_match_fraction", "prefill_s_per_token", "extend_s_per_context_token",
     "decode_s_per_request", "reload_cost_fraction", "ray_prefix_match_rate_threshold",
-    "ray_prefix_imbalanced_threshold"}
+    "ray_prefix_imbalanced_threshold", "weigh_queues_past_batch"}
 
 # A value other than the default for every routing setting.
 CHANGED = {
@@ -42,7 +42,7 @@ CHANGED = {
     "load_slack": 2, "min_match_fraction": 0.3, "prefill_s_per_token": 3e-4,
     "extend_s_per_context_token": 2e-6, "decode_s_per_request": 4e-3,
     "reload_cost_fraction": 0.2, "ray_prefix_match_rate_threshold": 0.4,
-    "ray_prefix_imbalanced_threshold": 3}
+    "ray_prefix_imbalanced_threshold": 3, "weigh_queues_past_batch": True}
 
 
 def test_router_config_keeps_every_routing_setting_flat():
