@@ -158,6 +158,33 @@ def test_past_every_batch_a_shorter_queue_does_not_move_a_conversation():
     assert pol.choose(own, names).reason == "load_guard"
 
 
+@pytest.mark.parametrize("weigh", [False, True])
+def test_past_every_batch_queued_prefill_work_does_not_move_a_conversation(weigh):
+    """Both engines past their batch, the conversation's engine with far more prefill work
+    queued: it stays with its history (the shorter queue is shorter only until the next
+    request joins it), unless router.weigh_queues_past_batch counts the queues there. Once
+    the other engine has a free place, the queued work counts again and moves it."""
+    history = list(range(3001, 3121))  # 120 blocks of its own history on r0
+    idx, load = PrefixIndex(), LoadTracker()
+    names = ["r0", "r1"]
+    for r in names:
+        idx.add_replica(r, 10_000)
+    load.batch.update({"r0": 8, "r1": 8})
+    pol = policies.build("affinity", PolicyContext(idx, load, BS, seed=0),
+                         RouterConfig(weigh_queues_past_batch=weigh).routing_settings()
+                         .params("affinity"))
+    idx.insert("r0", history)
+    own = RouteRequest(history + [9], (len(history) + 1) * BS, history[0], "s-old")
+    for _ in range(9):  # each past its batch of 8, by the same count
+        load.acquire("r0", 40 * len(history) * BS)  # 40 × the history's prefill queued
+        load.acquire("r1", 0)
+    d = pol.choose(own, names)
+    assert (d.replica, d.reason) == (("r1", "cold") if weigh else ("r0", "affinity_hit"))
+    for _ in range(2):  # r1 under its batch: the queue ahead of it counts again
+        load.release("r1", 0)
+    assert pol.choose(own, names).replica == "r1"
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.integers(2, 16), st.floats(0.0, 1.0), st.integers(0, 2**32))
 @example(11, 0.32, 0)  # (1+ε)·m is exactly 3 at one step: the float order decides the cap
