@@ -163,7 +163,8 @@ def test_past_every_batch_queued_prefill_work_does_not_move_a_conversation(weigh
     """Both engines past their batch, the conversation's engine with far more prefill work
     queued: it stays with its history (the shorter queue is shorter only until the next
     request joins it), unless router.weigh_queues_past_batch counts the queues there. Once
-    the other engine has a free place, the queued work counts again and moves it."""
+    the other engine has a free place, the queued work counts again and moves it. New
+    conversations, holding as much on either engine, still go where less is queued."""
     history = list(range(3001, 3121))  # 120 blocks of its own history on r0
     idx, load = PrefixIndex(), LoadTracker()
     names = ["r0", "r1"]
@@ -180,6 +181,13 @@ def test_past_every_batch_queued_prefill_work_does_not_move_a_conversation(weigh
         load.acquire("r1", 0)
     d = pol.choose(own, names)
     assert (d.replica, d.reason) == (("r1", "cold") if weigh else ("r0", "affinity_hit"))
+    # A new conversation holds as much on either engine (nothing, or one shared prompt):
+    # no recompute to trade, so it still goes where less is queued.
+    shared = history[:10]
+    idx.insert("r1", shared)
+    for k in range(8):  # (rendezvous among equals would put about half on r0)
+        assert pol.choose(req([7000 + k, 7100 + k]), names).replica == "r1"
+        assert pol.choose(req(shared + [5000 + k, 5100 + k]), names).replica == "r1"
     for _ in range(2):  # r1 under its batch: the queue ahead of it counts again
         load.release("r1", 0)
     assert pol.choose(own, names).replica == "r1"
