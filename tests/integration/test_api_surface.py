@@ -295,13 +295,26 @@ def test_a_greedy_key_does_not_starve_another(shared_by_two_keys, server):
             await ttft(c, -1)  # warm
             idle = [await ttft(c, i) for i in range(20)]
             hogs = [asyncio.create_task(hog(c, i)) for i in range(200)]
-            await asyncio.sleep(8)  # the greedy streams are running and queued
+            await _greedy_queued(c, 200)
             busy = [await ttft(c, 100 + i) for i in range(20)]
             calls.append(_counts(shared_by_two_keys)["direct_calls"])
             for h in hogs:
                 h.cancel()
             await asyncio.gather(*hogs, return_exceptions=True)
         return idle, busy
+
+    async def _greedy_queued(c: httpx.AsyncClient, n: int) -> None:
+        """Once the router holds all `n` greedy streams (its key's cap running on the
+        engines, the rest queued behind it) and the engines run the cap's streams."""
+        deadline = time.monotonic() + 120
+        while True:
+            r = await c.get(f"{shared_by_two_keys}/health",
+                            headers={"Authorization": f"Bearer {ADMIN_KEY}"})
+            counts = r.json()["counts"]
+            if counts["admitted_now"] >= n and counts["direct_calls"] - calls[0] >= 21 + 4:
+                return
+            assert time.monotonic() < deadline, ("the greedy streams never all arrived", counts)
+            await asyncio.sleep(0.2)
 
     calls: list[float] = [_counts(shared_by_two_keys)["direct_calls"]]
     idle, busy = asyncio.run(go())

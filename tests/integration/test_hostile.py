@@ -131,6 +131,7 @@ def test_a_huge_chunked_upload_is_refused_before_it_is_read(server):
 
 _PROBE = r"""
 import sys, time, zmq
+from zmq.utils.monitor import recv_monitor_message
 endpoint, server_key, admitted_pub, admitted_sec = sys.argv[1:5]
 ctx = zmq.Context()
 def sub(keys):
@@ -139,17 +140,40 @@ def sub(keys):
     if keys:
         s.curve_serverkey = server_key.encode()
         s.curve_publickey, s.curve_secretkey = keys
+    mon = s.get_monitor_socket()
     s.connect(endpoint)
-    return s
+    return s, mon
 socks = {"plain": sub(None), "stranger": sub(zmq.curve_keypair()),
          "admitted": sub((admitted_pub.encode(), admitted_sec.encode()))}
 got = dict.fromkeys(socks, 0)
-deadline = time.time() + float(sys.argv[5])
-while time.time() < deadline:
-    for name, s in socks.items():
-        while s.poll(5):
-            s.recv_multipart()
-            got[name] += 1
+# Ready once every subscriber's handshake has been decided (admitted, refused or cut), at
+# most float(sys.argv[5]) s: the traffic must not start before a wrongly admitted one listens.
+settled, deadline = set(), time.time() + float(sys.argv[5])
+while len(settled) < len(socks) and time.time() < deadline:
+    for name, (_, mon) in socks.items():
+        while mon.poll(5):
+            event = recv_monitor_message(mon)["event"]
+            failed = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                      | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            if event in (zmq.EVENT_HANDSHAKE_SUCCEEDED, zmq.EVENT_DISCONNECTED) or event & failed:
+                settled.add(name)
+print("ready", sorted(settled), flush=True)
+# Then read until the test closes stdin (its traffic has ended), and half a second more.
+poller = zmq.Poller()
+for s, _ in socks.values():
+    poller.register(s, zmq.POLLIN)
+poller.register(sys.stdin, zmq.POLLIN)
+until = None
+while until is None or time.time() < until:
+    for sock, _ in poller.poll(50):
+        if sock is sys.stdin or sock == sys.stdin.fileno():
+            sys.stdin.read()
+            poller.unregister(sys.stdin)
+            until = time.time() + 0.5
+            continue
+        name = next(n for n, (s, _) in socks.items() if s is sock)
+        sock.recv_multipart()
+        got[name] += 1
 print(got)
 """
 
@@ -209,14 +233,15 @@ def test_kv_events_cannot_be_read_from_another_network_namespace(server, tmp_pat
         script.write_text(_PROBE)
         probe = subprocess.Popen(
             ["ip", "netns", "exec", ns, sys.executable, str(script), rank.kv_events,
-             rank.kv_events_key, keys.public.decode(), keys.secret.decode(), "12"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        time.sleep(3)  # connected (and refused) before the traffic starts
+             rank.kv_events_key, keys.public.decode(), keys.secret.decode(), "10"],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        # Every subscriber connected (and admitted or refused) before the traffic starts.
+        assert probe.stdout.readline().startswith("ready"), probe.stderr.read()[-500:]
         for i in range(8):  # new prompts: the engines store new blocks and publish them
             httpx.post(f"{server}/v1/completions", timeout=120, json={
                 "model": "smollm2", "max_tokens": 2,
                 "prompt": f"netns probe {i} {time.time()}: " + "words " * 80})
-        out, err = probe.communicate(timeout=60)
+        out, err = probe.communicate(input="", timeout=60)
         got = json.loads(out.strip().splitlines()[-1].replace("'", '"'))
         print(f"\nbatches read from another network namespace: {got}")
         assert got["admitted"] > 0, (got, err[-500:])  # the namespace reaches the relay
