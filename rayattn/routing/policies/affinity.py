@@ -21,9 +21,10 @@ sharing a prompt cached on one of two engines of one GPU all stayed on that engi
 Past every engine's batch, a shorter queue (of places, of queued prefill work, of
 co-running decodes) seats a request sooner only by seating the next one there later: the
 waits add up the same wherever it goes, and a move buys nothing but the recompute. There the
-work decides first (only the engines holding the most of the prompt are candidates), the
-queued work and decodes only among those (a new conversation still goes where less is
-queued), the wait for a place not at all; the load guard bounds the queues.
+work decides first (only the engines where this request's prefill, context and reload cost
+least stay candidates), the queued work and decodes only among those (a new conversation
+still goes where less is queued), the wait for a place not at all; the load guard bounds the
+queues.
 
 subject to a bounded-load guard per device (inflight(d) + 1 ≤ max(⌈(1+ε)·m⌉, ⌈m⌉ + slack,
 batch(d)), with m = (total+1)/n over devices and batch(d) the requests its engines run in one
@@ -84,7 +85,7 @@ class AffinityFields(BaseModel):
     weigh_queues_past_batch: bool = False
     """`affinity`: while every candidate is past its batch, weigh the queued prefill work
     and the co-running decodes (not the wait for a place) against the recompute, as below
-    the batch. Off: there the engines holding the most of the prompt are the only
+    the batch. Off: there the engines where the request's own work costs least are the only
     candidates; on two H200s at 512 conversations the queues moved document chats off their
     histories to skip a queue the next request then joined (docs/routing.md)."""
     reload_cost_fraction: float = Field(0.1, ge=0, le=1)
@@ -169,30 +170,33 @@ class Affinity(Policy):
             # requests. The load guard alone keeps them within bounds across devices;
             # between engines of one GPU, one with a free place still takes the next ones.
             slots = dict.fromkeys(allowed, 0.0)
-        held = {}
+        work: dict[str, float] = {}
         for r in allowed:
             cached = self.cached_tokens(req, matches.get(r, 0))
-            # A short shared head (chat template, a common first line) is not worth piling
-            # new conversations onto one replica: count it as a tie, so they spread by where
-            # they differ.
-            held[r] = cached if cached >= floor else 0
+            if cached < floor:
+                # A short shared head (chat template, a common first line) is not worth
+                # piling new conversations onto one replica: count it as a tie, so they
+                # spread by where they differ.
+                cached = 0
+            reload = self.reloaded_tokens(req, r) if cached else 0
+            work[r] = (2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
+                       + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
+                       + self._adapter_cost(req, r))
         if saturated and not self.weigh_queues_past_batch:
-            # The same holds for the prefill work queued there and the decodes running
-            # there: one engine's queue is shorter only until the next request joins it.
-            # So the work decides (the engines holding the most of the prompt), and the
-            # queues only among those: a new conversation still goes where less is queued.
-            most = max(held.values())
-            allowed = [r for r in allowed if held[r] == most]
+            # As with the places, so with the prefill work queued there and the decodes
+            # running there: one engine's queue is shorter only until the next request
+            # joins it. So the work decides (the engines where this request costs least,
+            # within the model's error), and the queues only among those: a new
+            # conversation, holding as much everywhere, still goes where less is queued.
+            least = min(work.values())
+            tol = max(least * 0.05, c.decode_s_per_request * 0.5)
+            allowed = [r for r in allowed if work[r] <= least + tol]
         for r in allowed:
-            cached = held[r]
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
             pending, inflight = device_load.get(r, (0, 0))
-            wait = pending * c.prefill_s_per_token + inflight * c.decode_s_per_request + slots[r]
-            reload = self.reloaded_tokens(req, r) if cached else 0
-            costs[r] = (wait + 2 * (req.prompt_tokens - cached) * c.prefill_s_per_token
-                        + cached * c.ctx_s_per_token + reload * c.reload_s_per_token
-                        + self._adapter_cost(req, r))
+            costs[r] = (pending * c.prefill_s_per_token + inflight * c.decode_s_per_request
+                        + slots[r] + work[r])
         return costs, slots
 
     def _near(self, req: RouteRequest, costs: dict[str, float], matches: dict[str, int],

@@ -467,6 +467,24 @@ def test_hbm_beats_host_tier_beats_cold():
     assert pol.reloaded_tokens(route, "r1") == 90 * BS and pol.reloaded_tokens(route, "r0") == 0
 
 
+def test_past_every_batch_the_work_not_the_block_count_decides():
+    """Both engines past their batch: one more block on r0, but all of it to reload from
+    host memory, costs more than r1's HBM copy of the rest and one block's recompute, so
+    the conversation stays on r1."""
+    pol, idx, load = tiered_fleet()
+    history = list(range(1, 102))
+    idx.stored("r0", history, "cpu")
+    idx.stored("r1", history[:100])
+    load.batch.update({"r0": 2, "r1": 2})
+    for _ in range(3):
+        load.acquire("r0", 0)
+        load.acquire("r1", 0)
+    route = req(history + [102])
+    route.held, route.reloaded = idx.match_tiers(route.keys)
+    assert route.held == {"r0": 101, "r1": 100}
+    assert pol.choose(route, ["r0", "r1"]).replica == "r1"
+
+
 def test_new_conversations_fill_engines_sharing_a_gpu_evenly():
     """Two engines on one GPU share its compute (the cost ties them) but not their KV caches:
     new conversations, each with a document of its own, alternate between them instead of
