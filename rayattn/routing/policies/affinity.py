@@ -188,9 +188,7 @@ class Affinity(Policy):
             # joins it. So the work decides (the engines where this request costs least,
             # within the model's error), and the queues only among those: a new
             # conversation, holding as much everywhere, still goes where less is queued.
-            least = min(work.values())
-            tol = max(least * 0.05, c.decode_s_per_request * 0.5)
-            allowed = [r for r in allowed if work[r] <= least + tol]
+            allowed = self._within_error(work)
         for r in allowed:
             # Counted per device: engines sharing a GPU share its throughput, so the work
             # queued on the other one delays this request as much as its own does.
@@ -204,11 +202,9 @@ class Affinity(Policy):
         """The replicas whose costs are indistinguishable from the best one's, narrowed to
         those holding the request's adapter and, when none holds a prefix worth keeping, to
         the least busy."""
-        best = min(costs.values())
-        # Costs within a few percent are indistinguishable given the model's error; decide
-        # those deterministically so conversations and independent routers stay put.
-        tol = max(best * 0.05, self.cost.decode_s_per_request * 0.5)
-        near = [r for r, v in costs.items() if v <= best + tol]
+        # Costs within the model's error are indistinguishable: decide those
+        # deterministically so conversations and independent routers stay put.
+        near = self._within_error(costs)
         if req.adapter is not None:
             # Among near-equal engines, one that has the adapter loaded: on a slow engine
             # the load is within the model's error, and its requests would still scatter
@@ -218,6 +214,13 @@ class Affinity(Policy):
                                      for r in near):
             near = self._least_busy(near)
         return near
+
+    def _within_error(self, costs: dict[str, float]) -> list[str]:
+        """The replicas whose cost is within the cost model's error of the least: a few
+        percent, or half a decode's share of a step."""
+        least = min(costs.values())
+        tol = max(least * 0.05, self.cost.decode_s_per_request * 0.5)
+        return [r for r, v in costs.items() if v <= least + tol]
 
     def _least_busy(self, near: list[str]) -> list[str]:
         """Nothing to keep: a new conversation goes to the least busy engine first. The cost
