@@ -196,11 +196,12 @@ def moved_detail(res: list) -> dict:
     """What the router saw when it moved a conversation: whether its index still held the
     history on the previous turn's engine (regret > 0: the costs outweighed it; 0: the view
     had lost it), and a few moved requests' costs and loads as the router priced them."""
+    from rayattn.bench.stats import percentile
+
     moved = [r for r in res if r.status == 200 and r.moved_from]
-    held = [r for r in moved if r.regret_tokens > 0]
+    held = sorted(r.regret_tokens for r in moved if r.regret_tokens > 0)
     return {"moved": len(moved), "index_held_history": len(held),
-            "regret_tokens_p50": sorted(r.regret_tokens for r in held)[len(held) // 2]
-            if held else 0,
+            "regret_tokens_p50": percentile(held, 0.5, empty=0),
             "examples": [{"turn": r.turn, "reason": r.reason, "from": r.moved_from,
                           "to": r.replica, "prompt": r.prompt_tokens, "cached": r.cached_tokens,
                           "regret": r.regret_tokens, "costs": r.costs, "loads": r.loads}
