@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import httpx
+import hypothesis  # noqa: F401  (why: below)
 import pytest
 import yaml
 
@@ -20,6 +21,10 @@ from rayattn.server import front_door
 from tests import areas, beside
 from tests.own_apps import Collector, own_apps_config
 
+# hypothesis is imported here, at a shallow stack, because otherwise a run of tests that do
+# not use it imports it from its pytest plugin's terminal summary, deep in pytest's hooks,
+# where CPython 3.11.7's parser raises "AST constructor recursion depth mismatch" while
+# pytest rewrites its asserts (fixed in 3.11.8): the run passes and exits 1.
 ROOT = Path(__file__).resolve().parents[1]
 for k, v in {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
              "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false"}.items():

@@ -8,8 +8,11 @@ by the routers that registered their public key through `admit` (a call over Ray
 routers already use for every request). Routers follow that stream live and
 resynchronise from `snapshot()` (on start, after a lost batch): the set of cached block keys
 together with the sequence number it reflects. The mirror subscribes before the engine
-starts, so it sees every batch from the first; should it ever miss one (ZMQ high-water
-mark), it fetches the missing batches from vLLM's replay socket.
+starts, but a ZMQ subscription takes effect some time after the connect (on a busy host,
+after the first batches: a simulated engine serves at once); so once subscribed it fetches
+what vLLM's replay socket already holds, and any later gap (a batch published before the
+subscription took effect, or dropped at the high-water mark) from the same socket when the
+next batch shows it.
 """
 
 from __future__ import annotations
@@ -207,6 +210,7 @@ class KVMirror:
         ctx = self._ctx
         sub = subscriber(ctx, self.vllm_pub)
         dec = decoder()
+        self._replay(ctx, 0, None, dec)
         while not self._stop.is_set():
             try:
                 if not sub.poll(200):
@@ -215,7 +219,7 @@ class KVMirror:
                 if len(parts) != 3:
                     continue
                 seq = int.from_bytes(parts[1], "big")
-                if seq > self._seq + 1 and self._seq >= 0:
+                if seq > self._seq + 1:
                     self._replay(ctx, self._seq + 1, seq, dec)
                 batch = dec.decode(parts[2])
                 if getattr(batch, "data_parallel_rank", None) not in (None, self.rank):
@@ -240,7 +244,9 @@ class KVMirror:
         self._auth.stop()
         ctx.term()
 
-    def _replay(self, ctx, start: int, upto: int, dec) -> None:
+    def _replay(self, ctx: Any, start: int, upto: int | None, dec: Any) -> None:
+        """Apply and relay the batches `start` ≤ seq < `upto` that vLLM's replay buffer
+        holds; `upto=None`: all it holds (nothing, before the engine has started)."""
         import zmq
 
         req = ctx.socket(zmq.DEALER)
@@ -253,7 +259,7 @@ class KVMirror:
             if len(frames) < 4 or not frames[1]:  # END marker: (b"", b"", END_SEQ, b"")
                 break
             seq = int.from_bytes(frames[2], "big")
-            if start <= seq < upto:
+            if seq >= start and (upto is None or seq < upto) and seq > self._seq:
                 with self._lock:
                     self._blocks.applying = seq
                     apply_batch(dec.decode(frames[3]), self._blocks)
@@ -261,7 +267,7 @@ class KVMirror:
                     self._publish((TOPIC.encode(), frames[2], frames[3]))
                 got += 1
         req.close()
-        if got < upto - start:
+        if upto is not None and got < upto - start:
             log.error("KV mirror lost %d event batches that vLLM's replay buffer no longer "
                       "holds; routers will resync to an incomplete view",
                       upto - start - got)

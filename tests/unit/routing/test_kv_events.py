@@ -33,7 +33,6 @@ def publisher():
     ipc_dir, pub_ep, replay_ep = private_ipc_endpoints()
     pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
     mirror = KVMirror(pub_ep, replay_ep, "127.0.0.1", ipc_dir)
-    time.sleep(0.3)  # the mirror subscribes before anything is published, like in a replica
     yield pub, mirror
     mirror.close()
     pub.shutdown()
@@ -74,6 +73,38 @@ async def _until(cond, timeout: float = 10.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "condition not reached"
         await asyncio.sleep(0.02)
+
+
+def test_a_mirror_misses_nothing_the_engine_published_before_its_subscription_took_effect():
+    """A simulated engine serves the moment it is built, and a ZMQ subscription takes effect
+    some time after its connect (seconds on a busy host): batches published before it must
+    still reach the mirror, from vLLM's replay buffer, whether a later batch shows the gap or
+    none follows."""
+    from vllm.distributed.kv_events import ZmqEventPublisher
+
+    ipc_dir, pub_ep, replay_ep = private_ipc_endpoints()
+    pub = ZmqEventPublisher(0, endpoint=pub_ep, replay_endpoint=replay_ep, topic="kv")
+    mirror = None
+    try:
+        _send(pub, _stored([1, 2]))
+        _send(pub, _stored([3]))
+        deadline = time.monotonic() + 10
+        while len(pub._buffer) < 2:  # published (the publisher's thread sends and buffers)
+            assert time.monotonic() < deadline, "vLLM's publisher never sent"
+            time.sleep(0.01)
+        mirror = KVMirror(pub_ep, replay_ep, "127.0.0.1", ipc_dir)
+        while sorted(mirror.snapshot().keys) != [1, 2, 3]:
+            assert time.monotonic() < deadline, f"mirror saw {mirror.snapshot()}"
+            time.sleep(0.02)
+        assert mirror.snapshot().seq == 1
+        _send(pub, _stored([4]))
+        while sorted(mirror.snapshot().keys) != [1, 2, 3, 4]:
+            assert time.monotonic() < deadline, f"mirror saw {mirror.snapshot()}"
+            time.sleep(0.02)
+    finally:
+        if mirror is not None:
+            mirror.close()
+        pub.shutdown()
 
 
 def test_feed_follows_stores_removals_clears_and_resyncs_after_a_gap(publisher):
