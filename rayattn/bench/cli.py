@@ -19,7 +19,7 @@ from typing import Any
 
 import yaml
 
-from rayattn.bench.report import markdown, plot_sim, write_run
+from rayattn.bench.report import markdown, plot_ramp, plot_sim, write_run
 from rayattn.bench.stats import percentile
 from rayattn.bench.workloads import (
     agent_loop,
@@ -500,10 +500,35 @@ _ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
 }
 
 
+def _scaling(a: argparse.Namespace, warm: bool) -> Any:
+    """`--scale MIN,MAX`'s FleetScaling (None without it)."""
+    from rayattn.bench.sim_fleet import FleetScaling
+
+    if not a.scale:
+        return None
+    try:
+        lo, hi = (int(x) for x in a.scale.split(","))
+        return FleetScaling(min_engines=lo, max_engines=hi, ttft_p90_s=a.ttft_target_s,
+                            kv_usage=a.kv_target, start_s=a.start_s,
+                            upscale_delay_s=a.upscale_delay_s,
+                            downscale_delay_s=a.downscale_delay_s, warm=warm)
+    except ValueError as e:
+        raise SystemExit(f"rayattn simulate: --scale: {e}") from None
+
+
+def _phases(text: str) -> list[tuple[float, float]]:
+    try:
+        return [(float(s), float(r)) for s, r in (p.split(":") for p in text.split(","))]
+    except ValueError:
+        raise SystemExit(f"rayattn simulate: --phases {text!r}: want seconds:rate,...") \
+            from None
+
+
 def cmd_simulate(a: argparse.Namespace) -> int:
     from rayattn.bench.simulate import (
         EngineModel,
         multi_turn_trace,
+        ramp_trace,
         shared_prefix_trace,
         simulate,
     )
@@ -524,6 +549,14 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         per_group = max(1, a.requests // a.groups)
         trace = shared_prefix_trace(a.groups, per_group, a.system_tokens, a.question_tokens,
                                     a.output_tokens, a.rate, a.block_size, a.seed)
+    elif a.workload == "ramp":
+        if not a.scale:
+            raise SystemExit("rayattn simulate: --workload ramp needs --scale MIN,MAX")
+        trace = ramp_trace(_phases(a.phases), a.turns, a.groups, a.system_tokens,
+                           a.question_tokens, a.output_tokens,
+                           think_s=5.0 if a.think_s is None else a.think_s,
+                           block_size=a.block_size, seed=a.seed,
+                           document_tokens=a.document_tokens)
     else:
         trace = multi_turn_trace(a.requests // a.turns, a.turns, a.groups, a.system_tokens,
                                  a.question_tokens, a.output_tokens, a.rate,
@@ -535,18 +568,23 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     for pol in a.policies.split(","):
         for index in a.index.split(","):
             for routers in [int(x) for x in a.routers.split(",")]:
-                r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
-                             index=index, concurrency=a.concurrency,
-                             think_s=a.think_s or 0.0)
-                d = asdict(r)
-                d.pop("per_replica")
-                d["index"] = index
-                rows.append(d)
-                print(f"{pol:13s} index={index:9s} routers={routers} hit={r.hit_rate:.3f} oracle="
-                  f"{r.oracle_hit_rate:.3f} ttft p50={r.ttft_p50_s:.3f} p90={r.ttft_p90_s:.3f} "
-                      f"p99={r.ttft_p99_s:.3f} imbalance={r.load_imbalance:.2f} "
-                      f"moves={r.session_moves} regret={r.regret_tokens} "
-                      f"({r.wall_s:.1f}s)", flush=True)
+                for warm in [w == "on" for w in a.warm.split(",")] if a.scale else [True]:
+                    scaling = _scaling(a, warm)
+                    r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
+                                 index=index, concurrency=a.concurrency,
+                                 think_s=a.think_s or 0.0, scaling=scaling)
+                    d = asdict(r)
+                    d.pop("per_replica")
+                    d["index"] = index
+                    d["warm"] = warm if scaling is not None else None
+                    rows.append(d)
+                    print(f"{pol:13s} index={index:9s} routers={routers} hit={r.hit_rate:.3f} "
+                          f"oracle={r.oracle_hit_rate:.3f} ttft p50={r.ttft_p50_s:.3f} "
+                          f"p90={r.ttft_p90_s:.3f} p99={r.ttft_p99_s:.3f} "
+                          f"imbalance={r.load_imbalance:.2f} moves={r.session_moves} "
+                          f"regret={r.regret_tokens} ({r.wall_s:.1f}s)", flush=True)
+                    if scaling is not None:
+                        print(scaling_summary(r, scaling, warm), flush=True)
     name = f"sim_{a.workload}_{a.replicas}r"
     (out / f"{name}.json").write_text(json.dumps({"args": vars(a), "rows": rows}, indent=2,
                                                  default=str))
@@ -555,8 +593,23 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                           "ttft_p99_s", "load_imbalance", "max_replica_share"])
     (out / f"{name}.md").write_text(md)
     plot_sim(out, rows, name)
+    if a.scale:
+        plot_ramp(out, rows, name, a.ttft_target_s)
     print(md)
     return 0
+
+
+def scaling_summary(r: Any, scaling: Any, warm: bool) -> str:
+    """One line of a scaling fleet's run: its windows within the TTFT target, engines, what
+    warming did, later turns."""
+    rows = [w for w in r.timeline if w["within"] is not None]
+    within = sum(w["within"] for w in rows)
+    return (f"  warm={'on' if warm else 'off'}: windows within {scaling.ttft_p90_s} s "
+            f"{within}/{len(rows)}, engines max {r.max_engines}, engine-s "
+            f"{r.engine_seconds:.0f}, scale decisions {[d[1] for d in r.scale_decisions]}, "
+            f"warm prefills {r.warm_prefills}, moved conversations "
+            f"{r.moved_conversations}, later-turn TTFT p50/p90 {r.later_ttft_p50_s:.3f}/"
+            f"{r.later_ttft_p90_s:.3f} s, hit/oracle {r.hit_vs_oracle:.3f}")
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -612,8 +665,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("simulate", help="discrete-event fleet simulation with the real router")
     s.add_argument("--replicas", type=int, default=64)
     s.add_argument("--requests", type=int, default=100_000)
-    s.add_argument("--workload", choices=["shared_prefix", "multi_turn", "doc_chat"],
-                   default="shared_prefix")
+    s.add_argument("--workload", choices=["shared_prefix", "multi_turn", "doc_chat", "ramp"],
+                   default="shared_prefix",
+                   help="ramp: doc_chat's conversations at the rates of --phases, with the "
+                        "engines autoscaling within --scale")
     s.add_argument("--engine-model", help="engine_model.json fitted by `rayattn bench` "
                                           "(replaces the coefficient flags)")
     s.add_argument("--concurrency", type=int, default=None,
@@ -639,6 +694,20 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     for name, (default, text) in _ENGINE_FLAGS.items():
         s.add_argument("--" + name.replace("_", "-"), type=type(default), default=default,
                        help=text)
+    s.add_argument("--scale", help="MIN,MAX: the engines autoscale from --replicas within "
+                                   "these bounds on Serve's loop with rayattn's policy")
+    s.add_argument("--phases", default="120:50,240:200,180:50",
+                   help="ramp: seconds:requests-per-second of each phase")
+    s.add_argument("--ttft-target-s", type=float, default=1.0,
+                   help="--scale: the engines' TTFT p90 target")
+    s.add_argument("--kv-target", type=float, default=None,
+                   help="--scale: a KV usage target beside it")
+    s.add_argument("--start-s", type=float, default=60.0,
+                   help="--scale: from Serve's decision to the engine's first request")
+    s.add_argument("--upscale-delay-s", type=float, default=1.0)
+    s.add_argument("--downscale-delay-s", type=float, default=30.0)
+    s.add_argument("--warm", default="on,off",
+                   help="--scale: router.warm_engines on, off, or both (compared)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--out", default="bench/results/sim")
     s.set_defaults(fn=cmd_simulate)

@@ -116,3 +116,27 @@ def plot_sim(out: Path, rows: list[dict], name: str) -> None:
     fig.tight_layout()
     fig.savefig(out / f"{name}.png", dpi=90)
     plt.close(fig)
+
+
+def plot_ramp(out: Path, rows: list[dict], name: str, target_s: float | None) -> None:
+    """A scaling fleet's runs over time: engines serving and TTFT p90 per stretch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(2, 1, figsize=(10, 6), sharex=True)
+    for r in rows:
+        t = [w["start_s"] for w in r["timeline"]]
+        label = f"{r['policy']} ×{r['routers']} warm {'on' if r.get('warm') else 'off'}"
+        ax[0].step(t, [w["engines"] for w in r["timeline"]], where="post", label=label)
+        ax[1].plot(t, [w["ttft_p90_s"] for w in r["timeline"]], marker=".", label=label)
+    ax[0].set(ylabel="engines serving")
+    ax[0].legend(fontsize=7)
+    if target_s is not None:
+        ax[1].axhline(target_s, color="k", ls="--", lw=0.8, label="target")
+    ax[1].set(ylabel="TTFT p90 (s)", xlabel="simulated s", yscale="log")
+    fig.suptitle(name)
+    fig.tight_layout()
+    fig.savefig(out / f"{name}_timeline.png", dpi=90)
+    plt.close(fig)

@@ -43,13 +43,21 @@ import json
 import random
 import time
 import zlib
+from array import array
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rayattn.bench.driver import replay_tokens
+from rayattn.bench.sim_fleet import (
+    Autoscaler,
+    EngineSignals,
+    FleetScaling,
+    Members,
+    windows_of,
+)
 from rayattn.bench.stats import percentile
 from rayattn.config.schema import RouterConfig
 from rayattn.routing.core import Finished, RoutingCore
@@ -60,6 +68,9 @@ from rayattn.routing.prefix_index import EventIndex, PrefixIndex
 if TYPE_CHECKING:
     from rayattn.bench.driver import Result
     from rayattn.bench.workloads import Workload
+
+TIMELINE_S = 10.0
+"""The stretch of a scaling fleet's timeline (Serve's engines report latencies over 10 s)."""
 
 
 @dataclass
@@ -75,6 +86,10 @@ class SimRequest:
     session: str
     text: str = ""
     turn: int = 0
+    ids: array | None = None
+    """The conversation's token ids (at least `prompt_tokens` of them), where the trace
+    keeps them: a fleet that scales routes through the routing core's own keys, which
+    remember what each conversation sent for its warm and move plans."""
 
 
 @dataclass
@@ -161,6 +176,16 @@ class SimResult:
     real engine replica's own measure starts when vLLM's rendering does, so a wait for the
     replica's event loop before that is in this one and not in the real one)."""
     engine_ttft_p90_s: float = 0.0
+    engine_seconds: float = 0.0
+    """Engines holding resources (starting ones included) × simulated seconds."""
+    max_engines: int = 0
+    timeline: list[dict] = field(default_factory=list)
+    """A fleet that scales: per stretch of TIMELINE_S, engines serving, requests and their
+    TTFT p90 (sim_fleet.Window.row)."""
+    scale_decisions: list = field(default_factory=list)
+    """(when, engines, the policy's pressures) of each change Serve applied."""
+    warm_prefills: int = 0
+    moved_conversations: int = 0
 
     @property
     def hit_vs_oracle(self) -> float:
@@ -172,8 +197,9 @@ class _Seq:
     i: int
     req: SimRequest
     router: int
-    decision: Decision
-    route: RouteRequest
+    """-1: a router's prefill of an engine that joins or of a moved conversation."""
+    decision: Decision | None
+    route: RouteRequest | None
     arrived: float
     """At the router."""
     dispatched: float = 0.0
@@ -185,6 +211,10 @@ class _Seq:
     scheduled_ts: float = 0.0
     first_token_ts: float = 0.0
     outputs: int = 0
+    target: str = ""
+    """The engine it runs on."""
+    on_done: Callable[[], None] | None = None
+    """A prefill's: what follows it."""
 
 
 class _Engine:
@@ -260,14 +290,16 @@ class _Engine:
 def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineModel,
              routers: int = 1, router_cfg: RouterConfig | None = None,
              seed: int = 0, index: str = "predicted", concurrency: int | None = None,
-             think_s: float = 0.0) -> SimResult:
+             think_s: float = 0.0, scaling: FleetScaling | None = None) -> SimResult:
     """`index`: `predicted` (each router's own LRU guess and its own dispatch counts) or
     `events` (each router follows the engines' real caches and load counts, as with vLLM's
     KV events, delivered instantly here). `concurrency`: closed loop over the trace's
     conversations (in order of first appearance), a conversation's next turn a uniform
-    0..`think_s` after its answer; None: open loop on `arrival`."""
+    0..`think_s` after its answer; None: open loop on `arrival`. `scaling`: the engines
+    autoscale from `replicas` within its bounds (sim_fleet.py); None: `replicas`, fixed."""
     t_wall = time.perf_counter()
-    names = [f"engine-{i}" for i in range(replicas)]
+    pool_size = max(replicas, scaling.max_engines) if scaling is not None else replicas
+    names = [f"engine-{i}" for i in range(pool_size)]
     settings = (router_cfg or RouterConfig()).routing_settings().replace(policy=policy,
                                                                          index=index)
     now = 0.0  # the simulated clock, which the cores' TTLs and budgets run on
@@ -291,19 +323,17 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     # router at once, as vLLM's KV events would.
     truth = PrefixIndex(on_evict=evicted, on_store=stored if views else None)
 
-    for n in names:
-        truth.add_replica(n, model.capacity_blocks)
-        for c in cores:
-            c.joined(n, model.block_size, model.capacity_blocks, max_batch=model.max_seqs)
     engines = {n: _Engine(n, model, truth) for n in names}
-    per_host = model.engines_per_host or replicas
+    per_host = model.engines_per_host or pool_size
     fleet = list(engines.values())
     for k, e in enumerate(fleet):
         e.host = fleet[k - k % per_host:k - k % per_host + per_host]
 
     # (time, seq, kind, payload): kind 0 arrival at the router (payload: request index),
     # 1 an engine's step ends (its name), 2 arrival in an engine's queue (the _Seq),
-    # 3 the router has rendered a request and chooses (request index, arrival time)
+    # 3 the router has rendered a request and chooses (request index, arrival time),
+    # 4 Serve's autoscaler ticks, 5 an engine started (its name), 6 a joining engine's
+    # warm hold times out (its name)
     events: list[tuple[float, int, int, object]] = []
     counter = 0
 
@@ -311,6 +341,27 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         nonlocal counter
         counter += 1
         heapq.heappush(events, (t, counter, kind, payload))
+
+    def to_engine(seq_: _Seq, t: float) -> None:
+        # The engine replica takes requests in one at a time (one Python event loop).
+        eng = engines[seq_.target]
+        eng.frontend_free = max(t, eng.frontend_free) + model.frontend_s
+        push(eng.frontend_free, 2, seq_)
+
+    hasher = BlockHasher(model.block_size)
+
+    def send_prefill(target: str, token_ids: list[int], on_done: Callable[[], None]) -> None:
+        keys = _keys(hasher.full_hashes(token_ids))
+        req = SimRequest(now, keys, len(token_ids), keys, 1, "")
+        to_engine(_Seq(-1, req, -1, None, None, now, now, target=target, on_done=on_done),
+                  now)
+
+    members = Members(names, replicas, cores, truth, model.capacity_blocks, model.max_seqs,
+                      scaling, send_prefill)
+    signals = {n: EngineSignals() for n in names}
+    autoscaler = Autoscaler(scaling, replicas) if scaling is not None else None
+    if scaling is not None:
+        push(scaling.interval_s, 4, None)
 
     # Streams of their own, so that seed k's router times are not seed k+1's think times.
     think = random.Random(f"think/{seed}")
@@ -330,6 +381,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     next_turn = {idxs[k]: idxs[k + 1] for idxs in convs.values() for k in range(len(idxs) - 1)}
 
     ttfts: dict[int, float] = {}
+    arrivals: dict[int, float] = {}
     engine_ttfts: list[float] = []
     prefills: list[float] = []
     itls: list[float] = []
@@ -354,8 +406,31 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     def report_load() -> None:
         if views and routers > 1:
             for c in cores:
-                for n in names:
+                for n in members.active:
                     c.reported(n, running_by[n])
+
+    def drained(name: str) -> bool:
+        e = engines[name]
+        return not e.running and not e.waiting and not inflight[name]
+
+    def autoscale(t: float) -> None:
+        assert scaling is not None and autoscaler is not None
+        serving = members.serving()
+        target = autoscaler.tick(t, {n: signals[n] for n in serving},
+                                 sum(inflight[n] for n in serving))
+        while len(serving) + len(members.starting) < target:
+            name = members.start(t)
+            if name is None:
+                break
+            push(t + scaling.start_s, 5, name)
+        while len(members.serving()) + len(members.starting) > target:
+            if members.cancel_start(t):
+                continue
+            name = members.leave(t)
+            if name is None:
+                break
+            if drained(name):
+                members.depart(name, t)
 
     while events:
         t, _, kind, payload = heapq.heappop(events)
@@ -372,10 +447,16 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             rt = zlib.crc32(req.session.encode()) % routers
             core = cores[rt]
             report_load()
-            route = RouteRequest(req.keys, req.prompt_tokens,
-                                 req.keys[0] if req.keys else i, req.session, req.text,
-                                 max_tokens=req.output_tokens)
-            d = core.choose(route, names)
+            if scaling is not None and req.ids is not None:
+                # The router's own keys: they remember the conversation for its plans.
+                route = core.request(req.ids[:req.prompt_tokens].tolist(), req.session,
+                                     req.text)
+                route.max_tokens = req.output_tokens
+            else:
+                route = RouteRequest(req.keys, req.prompt_tokens,
+                                     req.keys[0] if req.keys else i, req.session, req.text,
+                                     max_tokens=req.output_tokens)
+            d = core.choose(route, members.routable())
             core.dispatched(d, route)
             ob = 0
             for k in req.keys:
@@ -387,14 +468,25 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             per_replica[d.replica] += 1
             inflight[d.replica] += 1
             running_by[d.replica][str(rt)] += 1
-            # The engine replica takes requests in one at a time (one Python event loop).
-            eng = engines[d.replica]
-            eng.frontend_free = max(t, eng.frontend_free) + model.frontend_s
-            push(eng.frontend_free, 2, _Seq(i, req, rt, d, route, arrived, t))
+            to_engine(_Seq(i, req, rt, d, route, arrived, t, target=d.replica), t)
+            continue
+        if kind == 4:
+            autoscale(t)
+            if events:  # work left: Serve keeps ticking
+                push(t + scaling.interval_s, 4, None)  # type: ignore[union-attr]
+            continue
+        if kind == 5:
+            if payload in members.starting:  # not stopped while it started
+                members.join(payload, t)  # type: ignore[arg-type]
+                if payload in members.held:
+                    push(t + scaling.warm_timeout_s, 6, payload)  # type: ignore[union-attr]
+            continue
+        if kind == 6:
+            members.hold_expired(payload)  # type: ignore[arg-type]
             continue
         if kind == 2:  # the request reaches its engine's waiting queue
             seq_ = payload
-            eng = engines[seq_.decision.replica]
+            eng = engines[seq_.target]
             eng.waiting.append(seq_)
             if not eng.busy:
                 eng.busy = True
@@ -405,8 +497,22 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             eng.busy = False
             continue
         step_end, first, done = eng.step(t)
+        if scaling is not None:
+            sig = signals[eng.name]
+            if scaling.kv_usage is not None:  # a sum over the batch: only where it counts
+                bs = model.block_size
+                sig.step(sum(-(-(s.req.prompt_tokens - s.left + s.outputs) // bs)
+                             for s in eng.running) / model.capacity_blocks)
+            for s in first:
+                sig.first_token(step_end, s.first_token_ts - s.dispatched)
+        for s in done:
+            if s.on_done is not None:
+                s.on_done()
+        first = [s for s in first if s.decision is not None]
+        done = [s for s in done if s.decision is not None]
         for s in first:
             ttfts[s.i] = s.first_token_ts - s.arrived + model.hop_s
+            arrivals[s.i] = s.arrived
             engine_ttfts.append(s.first_token_ts - s.dispatched)
             prefills.append(s.first_token_ts - s.scheduled_ts)
             cores[s.router].first_token(s.decision)
@@ -437,6 +543,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                     push(step_end + model.hop_s, 0, convs[order[started]][0])
                     started += 1
         push(step_end, 1, eng.name)
+        if eng.name in members.leaving and drained(eng.name):
+            members.depart(eng.name, step_end)
 
     def _p(xs: list[float], p: float) -> float:
         return percentile(xs, p, empty=0.0)
@@ -445,9 +553,9 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     engine_ttfts.sort()
     later = sorted(v for i, v in ttfts.items() if trace[i].turn > 0)
     n = len(ttfts)  # requests that got their first token (all of them, as it runs to the end)
-    areas = list(inflight_area.values())
+    areas = [inflight_area[n] for n in names if per_replica.get(n)] or [0.0]
     mean_area = sum(areas) / len(areas)
-    return SimResult(policy, replicas, routers, n, hits / prompt_total if prompt_total else 0,
+    result = SimResult(policy, replicas, routers, n, hits / prompt_total if prompt_total else 0,
                      oracle_hits / prompt_total if prompt_total else 0, _p(all_t, 0.5),
                      _p(all_t, 0.9), _p(all_t, 0.99), _p(later, 0.5), _p(later, 0.9),
                      max(per_replica.values()) / n if n else 0,
@@ -457,6 +565,18 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                      sum(sum(c.session_moves.values()) for c in cores),
                      _p(sorted(prefills), 0.5), _p(sorted(itls), 0.5), _learned(cores[0]),
                      _p(engine_ttfts, 0.5), _p(engine_ttfts, 0.9))
+    if scaling is not None:
+        changes = members.changes
+        result.engine_seconds = sum(
+            held * ((changes[k + 1][0] if k + 1 < len(changes) else end_t) - t)
+            for k, (t, _, held) in enumerate(changes))
+        result.max_engines = max(serving for _, serving, _ in changes)
+        result.timeline = [w.row(scaling.ttft_p90_s) for w in windows_of(
+            [(arrivals[i], v) for i, v in ttfts.items()],
+            [(t, serving) for t, serving, _ in changes], end_t, TIMELINE_S)]
+        result.scale_decisions = autoscaler.decisions  # type: ignore[union-attr]
+        result.warm_prefills, result.moved_conversations = members.warm_prefills, members.moved
+    return result
 
 
 def _learned(core: RoutingCore) -> dict[str, float]:
@@ -501,16 +621,23 @@ def _text(tokens: list[int]) -> str:
 def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system_tokens: int,
                      user_tokens: int, output_tokens: int, rate: float, think_s: float = 5.0,
                      block_size: int = 32, seed: int = 0,
-                     document_tokens: int = 0) -> list[SimRequest]:
+                     document_tokens: int = 0, keep_ids: bool = False,
+                     systems_seed: int | None = None, start_s: float = 0.0,
+                     prefix: str = "conv") -> list[SimRequest]:
     """Sessions start as a Poisson process; each next turn follows after a think time and
     carries the whole history (prompt + previous outputs). `document_tokens`: each
-    conversation also carries a document of its own after the shared system prompt."""
+    conversation also carries a document of its own after the shared system prompt.
+    `keep_ids`: each request keeps its conversation's token ids (a fleet that scales needs
+    them). `systems_seed`: the shared system prompts' own seed (default `seed`), so traces
+    of several seeds can share them; the first conversation starts after `start_s`, each
+    named `prefix`-k."""
     rng = random.Random(seed)
     h = BlockHasher(block_size)
-    systems = [[rng.randrange(1, 50_000) for _ in range(system_tokens)]
+    srng = rng if systems_seed is None else random.Random(systems_seed)
+    systems = [[srng.randrange(1, 50_000) for _ in range(system_tokens)]
                for _ in range(shared_systems)]
     reqs: list[SimRequest] = []
-    t = 0.0
+    t = start_s
     sys_hashes = [h.full_hashes(s) for s in systems]
     for c in range(conversations):
         t += rng.expovariate(rate / turns)
@@ -518,18 +645,44 @@ def multi_turn_trace(conversations: int, turns: int, shared_systems: int, system
         hashes = sys_hashes[c % shared_systems]
         hist += [rng.randrange(1, 50_000) for _ in range(document_tokens)]
         tc = t
+        first = len(reqs)
         for turn in range(turns):
             hist += [rng.randrange(1, 50_000) for _ in range(user_tokens)]
             hashes = h.full_hashes(hist, hashes)
             o = [rng.randrange(1, 50_000) for _ in range(output_tokens)]
             after = h.full_hashes(hist + o, hashes)
             reqs.append(SimRequest(tc, _keys(hashes), len(hist), _keys(after), output_tokens,
-                                   f"conv-{c}", _text(hist), turn))
+                                   f"{prefix}-{c}", _text(hist), turn))
             hist += o
             hashes = after
             tc += think_s + rng.expovariate(1.0)
+        if keep_ids:
+            ids = array("I", hist)
+            for r in reqs[first:]:
+                r.ids = ids
     reqs.sort(key=lambda r: r.arrival)
     return reqs
+
+
+def ramp_trace(phases: Sequence[tuple[float, float]], turns: int, shared_systems: int,
+               system_tokens: int, user_tokens: int, output_tokens: int,
+               think_s: float = 5.0, block_size: int = 32, seed: int = 0,
+               document_tokens: int = 0) -> list[SimRequest]:
+    """multi_turn_trace's conversations under a load that changes: `phases` of (seconds,
+    requests per second), one after the other (quiet → peak → quiet), all behind the same
+    shared system prompts; token ids kept (for a fleet that scales)."""
+    out: list[SimRequest] = []
+    start = 0.0
+    for k, (seconds, rate) in enumerate(phases):
+        conversations = max(1, round(seconds * rate / turns))
+        out += multi_turn_trace(conversations, turns, shared_systems, system_tokens,
+                                user_tokens, output_tokens, rate, think_s, block_size,
+                                seed=seed * 1000 + k, document_tokens=document_tokens,
+                                keep_ids=True, systems_seed=seed, start_s=start,
+                                prefix=f"p{k}")
+        start += seconds
+    out.sort(key=lambda r: r.arrival)
+    return out
 
 
 def trace_from_run(results: list[Result], workload: Workload, tokenizer: Any,

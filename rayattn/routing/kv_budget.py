@@ -383,13 +383,16 @@ class KVBudget:
 
     def _expire(self) -> None:
         cutoff = self._clock() - self.window_s
-        for s in list(self._live):
-            conv = self._live[s]
+        # Oldest first, up to the first one seen within the window: not a copy of every
+        # live conversation per request (thousands of them on a busy router).
+        expired = []
+        for s, conv in self._live.items():
             if conv.last_seen > cutoff:
                 break  # the rest are newer
-            if conv.running:
-                continue
-            del self._live[s]
+            if not conv.running:
+                expired.append(s)
+        for s in expired:
+            conv = self._live.pop(s)
             self.reserved[conv.replica] -= conv.own
             if self.idle_s is None:
                 self._gone.pop(s, None)  # newest last
