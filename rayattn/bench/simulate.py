@@ -456,6 +456,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                 route = RouteRequest(req.keys, req.prompt_tokens,
                                      req.keys[0] if req.keys else i, req.session, req.text,
                                      max_tokens=req.output_tokens)
+            # As the router's front door: the arrival teaches the KV budget the pause.
+            core.kv.arrived(route.session)
             d = core.choose(route, members.routable())
             core.dispatched(d, route)
             ob = 0

@@ -250,12 +250,17 @@ class RoutingCore:
     def move_plan(self, leaving: list[str], staying: list[str]) -> list[warm_plan.Prefill]:
         """The live conversations whose last turn ran on `leaving` (the targets of an engine
         that goes), to prefill on `staying`, within a share of their caches (of this
-        router's share; adapter conversations left out, as in warm_plans)."""
+        router's share; adapter conversations left out, as in warm_plans). Live as the KV
+        budget says (a turn running, or the last one ended within the pause the router
+        learned from its clients): a conversation that has ended costs a prefill and brings
+        nothing back (the simulator's ramp at 8..64 engines moved 2,882 histories, 85 % of
+        them ended, for no more hits)."""
         budget = int(sum(self.routable.get(t, 0) for t in staying) * self.block_size
                      * warm_plan.MOVE_SHARE / self.load.routers())
         kept = ((s, at, k.ids, k.salt)
                 for s, at in self.decisions.sessions_on(set(leaving), warm_plan.LIVE_S)
-                if (k := self.keys.prefixes.get(s)) is not None and k.adapter is None)
+                if self.kv.is_live(s)
+                and (k := self.keys.prefixes.get(s)) is not None and k.adapter is None)
         return warm_plan.moves(kept, self.block_size, budget)
 
     def move_target(self, p: warm_plan.Prefill, candidates: list[str]) -> str | None:

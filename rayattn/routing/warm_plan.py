@@ -29,8 +29,9 @@ SHARED_BLOCKS = 512
 """Of each, the leading blocks looked at: at most 256 × 512 hashes counted on the router's
 loop when an engine joins."""
 LIVE_S = 600.0
-"""A conversation whose last turn is older than this is not moved (its client has likely
-gone)."""
+"""How far back the decision log is searched for a leaving engine's conversations; of those,
+only the ones the KV budget holds live are moved (routing/kv_budget.py: a pause the router
+learned, at most a minute)."""
 
 
 @dataclass(frozen=True)

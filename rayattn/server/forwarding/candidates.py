@@ -38,9 +38,14 @@ class Candidates:
 
     async def get(self, route: RouteRequest, tried: set[str], wait_until: float,
                   turn: tuple[str, int]) -> list[str]:
+        # The first attempt's arrival teaches the budget the conversation's pause (how long
+        # a conversation stays live: for admission, and for which conversations of an engine
+        # that leaves are moved), whether admission is on or not.
+        kv = self.core.kv
+        continuing = kv.is_live(route.session) if tried else kv.arrived(route.session)
         try:
             if self.core.settings.kv_admission:
-                return await self._kv_admitted(route, tried, wait_until, turn)
+                return await self._kv_admitted(route, tried, wait_until, turn, continuing)
             return await self._open(route, tried, wait_until, turn)
         finally:
             route.queued = False
@@ -101,16 +106,14 @@ class Candidates:
                       key=lambda r: r != pinned)
 
     async def _kv_admitted(self, route: RouteRequest, tried: set[str],
-                           wait_until: float, turn: tuple[str, int]) -> list[str]:
+                           wait_until: float, turn: tuple[str, int],
+                           continuing: bool) -> list[str]:
         """The candidates with KV room for `route`; while there are none, the request waits
         here, woken as requests end, continuing conversations first and in arrival order
         within each class (a new conversation does not pass one that waits before it). The
         request's own timeout (router.request_timeout_s) bounds the wait; one too big for
         the budget by itself does not wait (KVBudget.room)."""
-        # The first attempt's arrival teaches the budget the conversation's pause.
-        kv = self.core.kv
-        prio = 0 if (kv.is_live(route.session) if tried else kv.arrived(route.session)) \
-            else 1
+        prio = 0 if continuing else 1
         t0, seq = time.monotonic(), next(self._kv_seq)
         loop = asyncio.get_running_loop()
         try:

@@ -74,7 +74,9 @@ def test_a_leaving_engines_conversations_go_where_their_next_turn_would():
     _turn(c, "s2", SYSTEM + [8] * 40, on="b")
     now[0] += 1
     _turn(c, "s3", SYSTEM + [9] * 40, on="a")
-    now[0] += warm_plan.LIVE_S - 0.5  # s1's and s2's last turns are too old now
+    # s1 has ended: its last turn ended longer ago than a conversation's pause (the KV
+    # budget's live window, its default before any pause was seen); s3 is still live.
+    now[0] += c.kv.window_s - 0.5
     _turn(c, "s4", SYSTEM + [6] * 40, on="a")
     plan = c.move_plan(["a"], ["b", "c"])
     assert [p.session for p in plan] == ["s4", "s3"]

@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from rayattn.routing.kv_budget import KVBudget
 from rayattn.routing.policies import RouteRequest
 from rayattn.server.errors import APIError
 from rayattn.server.forwarding.candidates import Candidates
@@ -32,7 +33,7 @@ class Fleet:
 
 def make(fleet: Fleet, cap: int = 2) -> tuple[Candidates, SimpleNamespace, list[int]]:
     core = SimpleNamespace(settings=SimpleNamespace(kv_admission=False),
-                           load=SimpleNamespace(local={}))
+                           load=SimpleNamespace(local={}), kv=KVBudget())
     rejected: list[int] = []
     return Candidates(core, fleet, FairQueue(), lambda: cap, rejected.append,
                       {"kv_held": 0, "kv_held_s": 0.0}), core, rejected
@@ -137,7 +138,6 @@ def test_a_new_conversation_held_for_kv_room_is_not_passed_by_a_later_one():
     """Cache-pressure admission: a new conversation that fits does not take the room one
     that came before it waits for (a big one would otherwise wait for its timeout while
     smaller ones keep fitting); it goes once the earlier one has gone."""
-    from rayattn.routing.kv_budget import KVBudget
 
     room = {"big": [], "small": ["e0"]}
     core = SimpleNamespace(settings=SimpleNamespace(kv_admission="auto"),
