@@ -15,7 +15,7 @@ import traceback
 from dataclasses import asdict
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -34,6 +34,10 @@ from rayattn.config.plan import build_plan
 from rayattn.config.schema import RouterConfig
 from rayattn.models.embedded import resolve_embedded
 from rayattn.routing.policies import REGISTRY
+
+if TYPE_CHECKING:
+    from rayattn.bench.sim_fleet import FleetScaling
+    from rayattn.bench.simulate import SimResult
 
 # Imported in the functions that need them: Ray and the Serve app (after cluster_env has set
 # the environment Ray reads), httpx, transformers, and the driver's and simulator's modules
@@ -500,7 +504,7 @@ _ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
 }
 
 
-def _scaling(a: argparse.Namespace, warm: bool) -> Any:
+def _scaling(a: argparse.Namespace, warm: bool) -> FleetScaling | None:
     """`--scale MIN,MAX`'s FleetScaling (None without it)."""
     from rayattn.bench.sim_fleet import FleetScaling
 
@@ -518,10 +522,13 @@ def _scaling(a: argparse.Namespace, warm: bool) -> Any:
 
 def _phases(text: str) -> list[tuple[float, float]]:
     try:
-        return [(float(s), float(r)) for s, r in (p.split(":") for p in text.split(","))]
+        phases = [(float(s), float(r)) for s, r in (p.split(":") for p in text.split(","))]
     except ValueError:
-        raise SystemExit(f"rayattn simulate: --phases {text!r}: want seconds:rate,...") \
-            from None
+        phases = []
+    if not phases or any(s <= 0 or r <= 0 for s, r in phases):
+        raise SystemExit(f"rayattn simulate: --phases {text!r}: want seconds:rate,... "
+                         "(both > 0)")
+    return phases
 
 
 def cmd_simulate(a: argparse.Namespace) -> int:
@@ -563,12 +570,19 @@ def cmd_simulate(a: argparse.Namespace) -> int:
                                  think_s=5.0 if a.think_s is None else a.think_s,
                                  block_size=a.block_size, seed=a.seed,
                                  document_tokens=a.document_tokens
-                                 if a.workload == "doc_chat" else 0)
+                                 if a.workload == "doc_chat" else 0,
+                                 keep_ids=bool(a.scale))  # a scaling fleet's plans need ids
+    warms = a.warm.split(",")
+    if not set(warms) <= {"on", "off"}:
+        raise SystemExit(f"rayattn simulate: --warm {a.warm!r}: on, off or on,off")
+    if a.scale and a.workload == "shared_prefix":
+        raise SystemExit("rayattn simulate: --scale needs conversations (multi_turn, doc_chat, "
+                         "ramp)")
     rows = []
     for pol in a.policies.split(","):
         for index in a.index.split(","):
             for routers in [int(x) for x in a.routers.split(",")]:
-                for warm in [w == "on" for w in a.warm.split(",")] if a.scale else [True]:
+                for warm in [w == "on" for w in warms] if a.scale else [True]:
                     scaling = _scaling(a, warm)
                     r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
                                  index=index, concurrency=a.concurrency,
@@ -599,7 +613,7 @@ def cmd_simulate(a: argparse.Namespace) -> int:
     return 0
 
 
-def scaling_summary(r: Any, scaling: Any, warm: bool) -> str:
+def scaling_summary(r: SimResult, scaling: FleetScaling, warm: bool) -> str:
     """One line of a scaling fleet's run: its windows within the TTFT target, engines, what
     warming did, later turns."""
     rows = [w for w in r.timeline if w["within"] is not None]

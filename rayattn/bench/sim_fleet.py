@@ -214,12 +214,19 @@ class Members:
         self.held: dict[str, int] = {}
         """Joined engines held out of routing, with their warm prefills still to run."""
         self.leaving: set[str] = set()
-        self.starting: set[str] = set()
+        self.starting: dict[str, int] = {}
+        """Engines starting, each with its start's number: a name stopped while it started
+        and started again must not join on its first start's time."""
+        self.joined_as: dict[str, int] = {}
+        """The start each joined engine came from (a hold's timeout is its join's only)."""
+        self.ever: set[str] = set()
+        """Engines that ever joined."""
+        self._starts = 0
         self.warm_prefills = self.moved = 0
         self.changes: list[tuple[float, int, int]] = []
         """(when, engines serving, engines holding resources: starting included)."""
         for name in pool[:initial]:
-            self.join(name, 0.0, warm=False)
+            self.join(name, 0.0, self.start(0.0)[1], warm=False)
 
     def serving(self) -> list[str]:
         """Joined and not leaving: what Serve counts as running."""
@@ -232,26 +239,35 @@ class Members:
     def _changed(self, now: float) -> None:
         self.changes.append((now, len(self.serving()), len(self.active) + len(self.starting)))
 
-    def start(self, now: float) -> str | None:
-        """Serve starts a replica: the pool's first name not in use (None: pool spent)."""
+    def start(self, now: float) -> tuple[str, int] | tuple[None, None]:
+        """Serve starts a replica: the pool's first name not in use, and the start's number
+        (None: the pool is spent)."""
         free = [n for n in self.pool if n not in self.active and n not in self.starting]
         if not free:
-            return None
-        self.starting.add(free[0])
+            return None, None
+        self._starts += 1
+        self.starting[free[0]] = self._starts
         self._changed(now)
-        return free[0]
+        return free[0], self._starts
 
     def cancel_start(self, now: float) -> bool:
         """Serve stops a replica that is still starting (its first choice when it shrinks)."""
         if not self.starting:
             return False
-        self.starting.remove(max(self.starting, key=self.pool.index))
+        del self.starting[max(self.starting, key=self.pool.index)]
         self._changed(now)
         return True
 
-    def join(self, name: str, now: float, warm: bool = True) -> None:
-        if name in self.starting:
-            self.starting.remove(name)
+    def started(self, name: str, start: int) -> bool:
+        """Whether start number `start` of `name` is still on (not stopped meanwhile)."""
+        return self.starting.get(name) == start
+
+    def join(self, name: str, now: float, start: int, warm: bool = True) -> None:
+        """Start `start` of `name` is up: it joins every router's view (held while it is
+        warmed where `warm` and other engines serve)."""
+        self.starting.pop(name, None)
+        self.joined_as[name] = start
+        self.ever.add(name)
         self.truth.add_replica(name, self.capacity)
         for c in self.cores:
             c.joined(name, c.block_size, self.capacity, max_batch=self.max_seqs)
@@ -274,9 +290,11 @@ class Members:
             if self.held[name] <= 0:
                 del self.held[name]
 
-    def hold_expired(self, name: str) -> None:
-        """router.warm_timeout_s passed: it serves, warm or not."""
-        self.held.pop(name, None)
+    def hold_expired(self, name: str, start: int) -> None:
+        """router.warm_timeout_s passed since start `start` of `name` joined: it serves,
+        warm or not."""
+        if self.joined_as.get(name) == start:
+            self.held.pop(name, None)
 
     def leave(self, now: float) -> str | None:
         """Serve stops the newest serving replica (None: none to stop)."""

@@ -350,9 +350,13 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
 
     hasher = BlockHasher(model.block_size)
 
+    routers_prefills = dict.fromkeys(names, 0)
+    """Routers' prefills sent to each engine and not yet run (they keep a leaving one)."""
+
     def send_prefill(target: str, token_ids: list[int], on_done: Callable[[], None]) -> None:
         keys = _keys(hasher.full_hashes(token_ids))
         req = SimRequest(now, keys, len(token_ids), keys, 1, "")
+        routers_prefills[target] += 1
         to_engine(_Seq(-1, req, -1, None, None, now, now, target=target, on_done=on_done),
                   now)
 
@@ -382,6 +386,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
 
     ttfts: dict[int, float] = {}
     arrivals: dict[int, float] = {}
+    unanswered = len(trace)
     engine_ttfts: list[float] = []
     prefills: list[float] = []
     itls: list[float] = []
@@ -411,7 +416,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
 
     def drained(name: str) -> bool:
         e = engines[name]
-        return not e.running and not e.waiting and not inflight[name]
+        return not (e.running or e.waiting or inflight[name] or routers_prefills[name])
 
     def autoscale(t: float) -> None:
         assert scaling is not None and autoscaler is not None
@@ -419,10 +424,10 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         target = autoscaler.tick(t, {n: signals[n] for n in serving},
                                  sum(inflight[n] for n in serving))
         while len(serving) + len(members.starting) < target:
-            name = members.start(t)
+            name, start = members.start(t)
             if name is None:
                 break
-            push(t + scaling.start_s, 5, name)
+            push(t + scaling.start_s, 5, (name, start))
         while len(members.serving()) + len(members.starting) > target:
             if members.cancel_start(t):
                 continue
@@ -474,17 +479,21 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             continue
         if kind == 4:
             autoscale(t)
-            if events:  # work left: Serve keeps ticking
-                push(t + scaling.interval_s, 4, None)  # type: ignore[union-attr]
+            push(t + scaling.interval_s, 4, None)  # type: ignore[union-attr]
             continue
         if kind == 5:
-            if payload in members.starting:  # not stopped while it started
-                members.join(payload, t)  # type: ignore[arg-type]
-                if payload in members.held:
+            name, start = payload  # type: ignore[misc]
+            if members.started(name, start):  # not stopped while it started
+                members.join(name, t, start)
+                if name in members.held:
                     push(t + scaling.warm_timeout_s, 6, payload)  # type: ignore[union-attr]
             continue
         if kind == 6:
-            members.hold_expired(payload)  # type: ignore[arg-type]
+            members.hold_expired(*payload)  # type: ignore[misc]
+            continue
+        if kind == 7:  # a router's prefill answered: what follows it
+            routers_prefills[payload.target] -= 1  # type: ignore[attr-defined]
+            payload.on_done()  # type: ignore[attr-defined]
             continue
         if kind == 2:  # the request reaches its engine's waiting queue
             seq_ = payload
@@ -497,6 +506,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         eng = engines[payload]  # type: ignore[index]
         if not eng.running and not eng.waiting:
             eng.busy = False
+            if eng.name in members.leaving and drained(eng.name):
+                members.depart(eng.name, t)
             continue
         step_end, first, done = eng.step(t)
         if scaling is not None:
@@ -509,7 +520,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                 sig.first_token(step_end, s.first_token_ts - s.dispatched)
         for s in done:
             if s.on_done is not None:
-                s.on_done()
+                push(step_end, 7, s)
         first = [s for s in first if s.decision is not None]
         done = [s for s in done if s.decision is not None]
         for s in first:
@@ -535,6 +546,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                 continuation_keys=s.req.output_keys))
             core.ended(s.decision)
             inflight[eng.name] -= 1
+            unanswered -= 1
             running_by[eng.name][str(s.router)] -= 1
             end_t = max(end_t, step_end + model.hop_s)
             if concurrency is not None:
@@ -545,8 +557,8 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                     push(step_end + model.hop_s, 0, convs[order[started]][0])
                     started += 1
         push(step_end, 1, eng.name)
-        if eng.name in members.leaving and drained(eng.name):
-            members.depart(eng.name, step_end)
+        if scaling is not None and not unanswered:
+            break  # every request answered: what Serve does next is past the run
 
     def _p(xs: list[float], p: float) -> float:
         return percentile(xs, p, empty=0.0)
@@ -555,7 +567,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     engine_ttfts.sort()
     later = sorted(v for i, v in ttfts.items() if trace[i].turn > 0)
     n = len(ttfts)  # requests that got their first token (all of them, as it runs to the end)
-    areas = [inflight_area[n] for n in names if per_replica.get(n)] or [0.0]
+    areas = [inflight_area[e] for e in names if e in members.ever]
     mean_area = sum(areas) / len(areas)
     result = SimResult(policy, replicas, routers, n, hits / prompt_total if prompt_total else 0,
                      oracle_hits / prompt_total if prompt_total else 0, _p(all_t, 0.5),
@@ -570,9 +582,9 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     if scaling is not None:
         changes = members.changes
         result.engine_seconds = sum(
-            held * ((changes[k + 1][0] if k + 1 < len(changes) else end_t) - t)
-            for k, (t, _, held) in enumerate(changes))
-        result.max_engines = max(serving for _, serving, _ in changes)
+            held * max(0.0, min(end_t, changes[k + 1][0] if k + 1 < len(changes) else end_t)
+                       - t) for k, (t, _, held) in enumerate(changes) if t < end_t)
+        result.max_engines = max(serving for t, serving, _ in changes if t <= end_t)
         result.timeline = [w.row(scaling.ttft_p90_s) for w in windows_of(
             [(arrivals[i], v) for i, v in ttfts.items()],
             [(t, serving) for t, serving, _ in changes], end_t, TIMELINE_S)]

@@ -9,10 +9,10 @@ routers already use for every request). Routers follow that stream live and
 resynchronise from `snapshot()` (on start, after a lost batch): the set of cached block keys
 together with the sequence number it reflects. The mirror subscribes before the engine
 starts, but a ZMQ subscription takes effect some time after the connect (on a busy host,
-after the first batches: a simulated engine serves at once); so once subscribed it fetches
-what vLLM's replay socket already holds, and any later gap (a batch published before the
-subscription took effect, or dropped at the high-water mark) from the same socket when the
-next batch shows it.
+after the first batches: a simulated engine serves at once); so until a batch arrives on it,
+the mirror asks vLLM's replay socket for what was published meanwhile whenever the stream is
+quiet, and any later gap (a batch dropped at the high-water mark) it fetches from the same
+socket when the next batch shows it.
 """
 
 from __future__ import annotations
@@ -206,35 +206,27 @@ class KVMirror:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 
     def _run(self) -> None:
-
         ctx = self._ctx
         sub = subscriber(ctx, self.vllm_pub)
         dec = decoder()
-        self._replay(ctx, 0, None, dec)
+        # Until a batch arrives on the subscription (proof that it took effect), every quiet
+        # moment asks the replay socket for what was published meanwhile: a batch sent
+        # before the subscription took effect, with none after it, is not lost either.
+        subscribed = False
         while not self._stop.is_set():
             try:
                 if not sub.poll(200):
+                    if not subscribed:
+                        self._replay(ctx, self._seq + 1, None, dec)
                     continue
                 parts = sub.recv_multipart()
                 if len(parts) != 3:
                     continue
+                subscribed = True
                 seq = int.from_bytes(parts[1], "big")
                 if seq > self._seq + 1:
                     self._replay(ctx, self._seq + 1, seq, dec)
-                batch = dec.decode(parts[2])
-                if getattr(batch, "data_parallel_rank", None) not in (None, self.rank):
-                    # Another rank's publisher on this endpoint: the endpoints vLLM derives
-                    # per rank changed (vllm_kv_events.dp_rank_endpoint). Its blocks are not here.
-                    log.error("KV mirror of DP rank %d got rank %s's events; dropped",
-                              self.rank, batch.data_parallel_rank)
-                    continue
-                with self._lock:
-                    if seq <= self._seq:
-                        continue
-                    self._blocks.applying = seq
-                    apply_batch(batch, self._blocks)
-                    self._seq = seq
-                    self._publish(parts)
+                self._apply(seq, dec.decode(parts[2]), parts)
             except Exception:
                 # One bad batch must not end the mirror: routers resync from it.
                 log.exception("KV mirror: event batch skipped")
@@ -244,9 +236,27 @@ class KVMirror:
         self._auth.stop()
         ctx.term()
 
+    def _apply(self, seq: int, batch: Any, parts: Sequence[bytes]) -> None:
+        """Batch `seq` (live or replayed) into the view, and on to the routers as `parts`."""
+        if getattr(batch, "data_parallel_rank", None) not in (None, self.rank):
+            # Another rank's publisher on this endpoint: the endpoints vLLM derives per rank
+            # changed (vllm_kv_events.dp_rank_endpoint). Its blocks are not here.
+            log.error("KV mirror of DP rank %d got rank %s's events; dropped",
+                      self.rank, batch.data_parallel_rank)
+            return
+        with self._lock:
+            if seq <= self._seq:
+                return
+            self._blocks.applying = seq
+            apply_batch(batch, self._blocks)
+            self._seq = seq
+            self._publish(parts)
+
     def _replay(self, ctx: Any, start: int, upto: int | None, dec: Any) -> None:
-        """Apply and relay the batches `start` ≤ seq < `upto` that vLLM's replay buffer
-        holds; `upto=None`: all it holds (nothing, before the engine has started)."""
+        """Apply and relay the batches `start` <= seq < `upto` that vLLM's replay buffer
+        holds; `upto=None`: all it holds from `start` (nothing while the engine has not
+        started: its replay socket is not bound yet, and the wait for an answer ends after
+        two seconds, the subscription's batches queueing meanwhile)."""
         import zmq
 
         req = ctx.socket(zmq.DEALER)
@@ -259,12 +269,8 @@ class KVMirror:
             if len(frames) < 4 or not frames[1]:  # END marker: (b"", b"", END_SEQ, b"")
                 break
             seq = int.from_bytes(frames[2], "big")
-            if seq >= start and (upto is None or seq < upto) and seq > self._seq:
-                with self._lock:
-                    self._blocks.applying = seq
-                    apply_batch(dec.decode(frames[3]), self._blocks)
-                    self._seq = seq
-                    self._publish((TOPIC.encode(), frames[2], frames[3]))
+            if seq >= start and (upto is None or seq < upto):
+                self._apply(seq, dec.decode(frames[3]), (TOPIC.encode(), frames[2], frames[3]))
                 got += 1
         req.close()
         if upto is not None and got < upto - start:
