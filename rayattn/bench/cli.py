@@ -514,6 +514,7 @@ def _scaling(a: argparse.Namespace, warm: bool) -> FleetScaling | None:
         lo, hi = (int(x) for x in a.scale.split(","))
         return FleetScaling(min_engines=lo, max_engines=hi, ttft_p90_s=a.ttft_target_s,
                             kv_usage=a.kv_target, start_s=a.start_s,
+                            target_ongoing_requests=a.ongoing_target or 10_000.0,
                             upscale_delay_s=a.upscale_delay_s,
                             downscale_delay_s=a.downscale_delay_s, warm=warm)
     except ValueError as e:
@@ -716,6 +717,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="--scale: the engines' TTFT p90 target")
     s.add_argument("--kv-target", type=float, default=None,
                    help="--scale: a KV usage target beside it")
+    s.add_argument("--ongoing-target", type=float, default=None,
+                   help="--scale: Serve's target_ongoing_requests per engine beside them "
+                        "(default: none)")
     s.add_argument("--start-s", type=float, default=60.0,
                    help="--scale: from Serve's decision to the engine's first request")
     s.add_argument("--upscale-delay-s", type=float, default=1.0)

@@ -206,7 +206,8 @@ class SimulatedEngineReplica:
 
     def _submit(self, token_ids: list[int], max_tokens: int, salt: str | None) -> SimRequest:
         if self._loop_task is None or self._loop_task.done():
-            # A fresh event with the loop: one bound to an ended loop (a test's) would end it.
+            # A fresh event with the loop: an asyncio.Event first awaited in an earlier loop
+            # (a test's asyncio.run) raises when awaited in this one.
             self._wake = asyncio.Event()
             self._loop_task = asyncio.get_running_loop().create_task(self._steps())
         # The output's tokens are known in advance: the keys of every block it will fill.

@@ -253,8 +253,7 @@ class RoutingCore:
         router's share; adapter conversations left out, as in warm_plans). Live as the KV
         budget says (a turn running, or the last one ended within the pause the router
         learned from its clients): a conversation that has ended costs a prefill and brings
-        nothing back (the simulator's ramp at 8..64 engines moved 2,882 histories, 85 % of
-        them ended, for no more hits)."""
+        nothing back (docs/results.md, the simulator from 8 to 64 engines)."""
         budget = int(sum(self.routable.get(t, 0) for t in staying) * self.block_size
                      * warm_plan.MOVE_SHARE / self.load.routers())
         kept = ((s, at, k.ids, k.salt)

@@ -30,8 +30,8 @@ SHARED_BLOCKS = 512
 loop when an engine joins."""
 LIVE_S = 600.0
 """How far back the decision log is searched for a leaving engine's conversations; of those,
-only the ones the KV budget holds live are moved (routing/kv_budget.py: a pause the router
-learned, at most a minute)."""
+only the ones the KV budget holds live are moved (routing/kv_budget.py: the pause the router
+learned from its clients, at most a minute, or router.conversation_idle_s)."""
 
 
 @dataclass(frozen=True)

@@ -89,7 +89,9 @@ def test_a_mirror_misses_nothing_the_engine_published_before_its_subscription_to
         _send(pub, _stored([1, 2]))
         _send(pub, _stored([3]))
         deadline = time.monotonic() + 10
-        while len(pub._buffer) < 2:  # published (the publisher's thread sends and buffers)
+        # vLLM's publisher sends from a thread of its own; its replay buffer is the one sign
+        # that both batches went out before the mirror exists.
+        while len(pub._buffer) < 2:
             assert time.monotonic() < deadline, "vLLM's publisher never sent"
             time.sleep(0.01)
         mirror = KVMirror(pub_ep, replay_ep, "127.0.0.1", ipc_dir)
