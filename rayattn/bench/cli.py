@@ -504,20 +504,26 @@ _ENGINE_FLAGS: dict[str, tuple[float | int, str | None]] = {
 }
 
 
-def _scaling(a: argparse.Namespace, warm: bool) -> FleetScaling | None:
-    """`--scale MIN,MAX`'s FleetScaling (None without it)."""
+def _scaling(a: argparse.Namespace) -> FleetScaling | None:
+    """`--scale MIN,MAX`'s FleetScaling (None without it): serve.engine_autoscaling as the
+    flags set it."""
+    from pydantic import ValidationError
+
     from rayattn.bench.sim_fleet import FleetScaling
+    from rayattn.config.schema import EngineAutoscaling
 
     if not a.scale:
         return None
     try:
         lo, hi = (int(x) for x in a.scale.split(","))
-        return FleetScaling(min_engines=lo, max_engines=hi, ttft_p90_s=a.ttft_target_s,
-                            kv_usage=a.kv_target, start_s=a.start_s,
-                            target_ongoing_requests=a.ongoing_target or 10_000.0,
-                            upscale_delay_s=a.upscale_delay_s,
-                            downscale_delay_s=a.downscale_delay_s, warm=warm)
-    except ValueError as e:
+        auto = EngineAutoscaling(
+            min_replicas=lo, max_replicas=hi, ttft_p90_s=a.ttft_target_s, kv_usage=a.kv_target,
+            # No target of requests in flight unless asked: this high, never the pressed one.
+            target_ongoing_requests=a.ongoing_target or 1e9,
+            upscale_delay_s=a.upscale_delay_s, downscale_delay_s=a.downscale_delay_s,
+            metrics_interval_s=a.metrics_interval_s, look_back_period_s=a.look_back_s)
+        return FleetScaling(auto, start_s=a.start_s)
+    except (ValueError, ValidationError) as e:
         raise SystemExit(f"rayattn simulate: --scale: {e}") from None
 
 
@@ -584,10 +590,11 @@ def cmd_simulate(a: argparse.Namespace) -> int:
         for index in a.index.split(","):
             for routers in [int(x) for x in a.routers.split(",")]:
                 for warm in [w == "on" for w in warms] if a.scale else [True]:
-                    scaling = _scaling(a, warm)
+                    scaling = _scaling(a)
                     r = simulate(trace, a.replicas, pol, model, routers=routers, seed=a.seed,
                                  index=index, concurrency=a.concurrency,
-                                 think_s=a.think_s or 0.0, scaling=scaling)
+                                 think_s=a.think_s or 0.0, scaling=scaling,
+                                 router_cfg=RouterConfig(warm_engines=warm))
                     d = asdict(r)
                     d.pop("per_replica")
                     d["index"] = index
@@ -619,7 +626,8 @@ def scaling_summary(r: SimResult, scaling: FleetScaling, warm: bool) -> str:
     warming did, later turns."""
     rows = [w for w in r.timeline if w["within"] is not None]
     within = sum(w["within"] for w in rows)
-    return (f"  warm={'on' if warm else 'off'}: windows within {scaling.ttft_p90_s} s "
+    return (f"  warm={'on' if warm else 'off'}: windows within "
+            f"{scaling.autoscaling.ttft_p90_s} s "
             f"{within}/{len(rows)}, engines max {r.max_engines}, engine-s "
             f"{r.engine_seconds:.0f}, scale decisions {[d[1] for d in r.scale_decisions]}, "
             f"warm prefills {r.warm_prefills}, moved conversations "
@@ -724,6 +732,10 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="--scale: from Serve's decision to the engine's first request")
     s.add_argument("--upscale-delay-s", type=float, default=1.0)
     s.add_argument("--downscale-delay-s", type=float, default=30.0)
+    s.add_argument("--metrics-interval-s", type=float, default=1.0,
+                   help="--scale: how often the engines report (and Serve decides)")
+    s.add_argument("--look-back-s", type=float, default=3.0,
+                   help="--scale: Serve's look-back over the engines' reports")
     s.add_argument("--warm", default="on,off",
                    help="--scale: router.warm_engines on, off, or both (compared)")
     s.add_argument("--seed", type=int, default=0)

@@ -21,50 +21,31 @@ from rayattn.bench.stats import percentile
 from rayattn.engine.scaling_policy import LATENCY_WINDOW_S, EnginesForTargets
 
 if TYPE_CHECKING:
+    from rayattn.config.schema import EngineAutoscaling, RouterConfig
     from rayattn.routing.core import RoutingCore
     from rayattn.routing.prefix_index import PrefixIndex
 
 
 @dataclass
 class FleetScaling:
-    """The autoscaling of the simulated engine deployment (serve.engine_autoscaling's
-    targets, Serve's autoscaling_config's bounds and delays)."""
+    """The simulated engine deployment's autoscaling: the schema's own
+    (`serve.engine_autoscaling`: bounds, Serve's delays and loop period, the targets), and
+    how long an engine takes to start. Warming is the router's (router.warm_engines,
+    router.warm_timeout_s: the simulator's RouterConfig)."""
 
-    min_engines: int = 1
-    max_engines: int = 8
-    ttft_p90_s: float | None = None
-    """Target TTFT p90 on the engines (as they measure it: arrival at the replica → first
-    token)."""
-    kv_usage: float | None = None
-    """Target KV cache usage (blocks held by running requests over the cache)."""
-    target_ongoing_requests: float = 10_000.0
-    """Serve's own target of requests in flight per engine (this high: not a signal)."""
-    hold_band: float = 0.6
-    interval_s: float = 1.0
-    """Serve's control loop period (and the engines' metrics push)."""
-    look_back_s: float = 3.0
-    upscale_delay_s: float = 1.0
-    downscale_delay_s: float = 30.0
-    start_s: float = 30.0
+    autoscaling: EngineAutoscaling
+    start_s: float = 60.0
     """From Serve's decision to the engine's first request (placement, model load)."""
-    warm: bool = True
-    """router.warm_engines."""
-    warm_timeout_s: float = 30.0
-    """router.warm_timeout_s: a joining engine is held out of routing at most this long."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.min_engines <= self.max_engines:
-            raise ValueError(f"engines: need 1 <= min ({self.min_engines}) <= max "
-                             f"({self.max_engines})")
-        if self.ttft_p90_s is None and self.kv_usage is None:
-            raise ValueError("fleet scaling needs a target: ttft_p90_s or kv_usage")
-        for name in ("interval_s", "start_s", "look_back_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0")
+        if not self.autoscaling.targets:
+            raise ValueError("fleet scaling runs rayattn's policy: set a target "
+                             "(ttft_p90_s, itl_p90_s or kv_usage)")
+        if self.start_s <= 0:
+            raise ValueError("start_s must be > 0")
 
     def policy(self) -> EnginesForTargets:
-        return EnginesForTargets(self.hold_band, ttft_p90_s=self.ttft_p90_s,
-                                 kv_usage=self.kv_usage)
+        return EnginesForTargets(self.autoscaling.hold_band, **self.autoscaling.targets)
 
 
 @dataclass
@@ -102,13 +83,13 @@ class EngineSignals:
 
 
 class Autoscaler:
-    """Serve's controller around the shipped policy: every `interval_s` the policy's wish
-    from the running engines' reports, kept only once it has held for the up- or down-scale
-    delay (Serve's `_apply_delay_logic`, reimplemented on simulated time), within the
-    bounds."""
+    """Serve's controller around the shipped policy: at every push of the engines' metrics
+    (metrics_interval_s) the policy's wish from the running engines' reports, kept only once
+    it has held for the up- or down-scale delay (Serve's `_apply_delay_logic`, reimplemented
+    on simulated time), within the bounds."""
 
     def __init__(self, scaling: FleetScaling, initial: int) -> None:
-        self.s = scaling
+        self.s = scaling.autoscaling
         self.policy = scaling.policy()
         self.target = initial
         """The engines Serve aims for (starting ones included)."""
@@ -124,7 +105,7 @@ class Autoscaler:
         metrics: dict[str, dict[str, float]] = {
             "ttft_p90_s": {}, "ttft_samples": {}, "kv_usage": {}}
         for name, sig in running.items():
-            p90, n, kv = sig.report(now, self.s.look_back_s)
+            p90, n, kv = sig.report(now, self.s.look_back_period_s)
             if p90 is not None:
                 metrics["ttft_p90_s"][name] = p90
             metrics["ttft_samples"][name] = n
@@ -135,9 +116,9 @@ class Autoscaler:
             last_scale_up_time=self.last_scale_up, current_time=now,
             config=SimpleNamespace(get_target_ongoing_requests=lambda:
                                    self.s.target_ongoing_requests,
-                                   look_back_period_s=self.s.look_back_s))
+                                   look_back_period_s=self.s.look_back_period_s))
         wish, state = self.policy(ctx)  # type: ignore[arg-type]
-        wish = max(self.s.min_engines, min(self.s.max_engines, wish))
+        wish = max(self.s.min_replicas, min(self.s.max_replicas, wish))
         if wish == self.target:
             self._wish_since = self._wish_up = None
             return self.target
@@ -204,11 +185,12 @@ class Members:
 
     def __init__(self, pool: list[str], initial: int, cores: list[RoutingCore],
                  truth: PrefixIndex, capacity_blocks: int, max_seqs: int,
-                 scaling: FleetScaling | None,
+                 router: RouterConfig,
                  send: Callable[[str, list[int], Callable[[], None]], None]) -> None:
+        """`router`: its warm_engines says whether engines are warmed and moved."""
         self.pool, self.cores, self.truth = pool, cores, truth
-        self.capacity, self.max_seqs, self.s, self.send = (capacity_blocks, max_seqs,
-                                                           scaling, send)
+        self.capacity, self.max_seqs, self.warms, self.send = (capacity_blocks, max_seqs,
+                                                               router.warm_engines, send)
         self.active: list[str] = []
         """Joined: serving, held or leaving."""
         self.held: dict[str, int] = {}
@@ -274,7 +256,7 @@ class Members:
         others = self.routable()
         self.active.append(name)
         self._changed(now)
-        if not (warm and self.s is not None and self.s.warm and others):
+        if not (warm and self.warms and others):
             return
         for c in self.cores:
             if not c.warms_engines:
@@ -307,7 +289,7 @@ class Members:
         self._changed(now)
         staying = self.routable()
         for c in self.cores:
-            if c.warms_engines and self.s is not None and self.s.warm:
+            if c.warms_engines and self.warms:
                 self._move_next(c, deque(c.move_plan([name], staying)))
         return name
 

@@ -298,9 +298,11 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
     0..`think_s` after its answer; None: open loop on `arrival`. `scaling`: the engines
     autoscale from `replicas` within its bounds (sim_fleet.py); None: `replicas`, fixed."""
     t_wall = time.perf_counter()
-    pool_size = max(replicas, scaling.max_engines) if scaling is not None else replicas
+    auto = scaling.autoscaling if scaling is not None else None
+    pool_size = max(replicas, auto.max_replicas) if auto is not None else replicas
     names = [f"engine-{i}" for i in range(pool_size)]
-    settings = (router_cfg or RouterConfig()).routing_settings().replace(policy=policy,
+    router_cfg = router_cfg or RouterConfig()
+    settings = router_cfg.routing_settings().replace(policy=policy,
                                                                          index=index)
     now = 0.0  # the simulated clock, which the cores' TTLs and budgets run on
 
@@ -361,11 +363,12 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
                   now)
 
     members = Members(names, replicas, cores, truth, model.capacity_blocks, model.max_seqs,
-                      scaling, send_prefill)
+                      router_cfg, send_prefill)
     signals = {n: EngineSignals() for n in names}
     autoscaler = Autoscaler(scaling, replicas) if scaling is not None else None
-    if scaling is not None:
-        push(scaling.interval_s, 4, None)
+    if auto is not None:
+        # Serve decides as often as the replicas push their metrics.
+        push(auto.metrics_interval_s, 4, None)
 
     # Streams of their own, so that seed k's router times are not seed k+1's think times.
     think = random.Random(f"think/{seed}")
@@ -479,14 +482,14 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             continue
         if kind == 4:
             autoscale(t)
-            push(t + scaling.interval_s, 4, None)  # type: ignore[union-attr]
+            push(t + auto.metrics_interval_s, 4, None)  # type: ignore[union-attr]
             continue
         if kind == 5:
             name, start = payload  # type: ignore[misc]
             if members.started(name, start):  # not stopped while it started
                 members.join(name, t, start)
                 if name in members.held:
-                    push(t + scaling.warm_timeout_s, 6, payload)  # type: ignore[union-attr]
+                    push(t + router_cfg.warm_timeout_s, 6, payload)
             continue
         if kind == 6:
             members.hold_expired(*payload)  # type: ignore[misc]
@@ -512,7 +515,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
         step_end, first, done = eng.step(t)
         if scaling is not None:
             sig = signals[eng.name]
-            if scaling.kv_usage is not None:  # a sum over the batch: only where it counts
+            if auto.kv_usage is not None:  # a sum over the batch: only where it counts
                 bs = model.block_size
                 sig.step(sum(-(-(s.req.prompt_tokens - s.left + s.outputs) // bs)
                              for s in eng.running) / model.capacity_blocks)
@@ -585,7 +588,7 @@ def simulate(trace: list[SimRequest], replicas: int, policy: str, model: EngineM
             held * max(0.0, min(end_t, changes[k + 1][0] if k + 1 < len(changes) else end_t)
                        - t) for k, (t, _, held) in enumerate(changes) if t < end_t)
         result.max_engines = max(serving for t, serving, _ in changes if t <= end_t)
-        result.timeline = [w.row(scaling.ttft_p90_s) for w in windows_of(
+        result.timeline = [w.row(auto.ttft_p90_s) for w in windows_of(
             [(arrivals[i], v) for i, v in ttfts.items()],
             [(t, serving) for t, serving, _ in changes], end_t, TIMELINE_S)]
         result.scale_decisions = autoscaler.decisions  # type: ignore[union-attr]

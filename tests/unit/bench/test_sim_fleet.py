@@ -8,10 +8,20 @@ import pytest
 
 from rayattn.bench.sim_fleet import Autoscaler, EngineSignals, FleetScaling, Members
 from rayattn.bench.simulate import TIMELINE_S, EngineModel, ramp_trace, simulate
+from rayattn.config.schema import EngineAutoscaling, RouterConfig
 
 MODEL = EngineModel(prefill_s_per_token=6e-5, ctx_s_per_token=2e-7, itl_base_s=0.02,
                     itl_per_seq_s=2e-4, capacity_blocks=4096, block_size=32,
                     max_batched_tokens=8192, max_seqs=128)
+
+
+def _scaling(start_s: float = 60.0, **auto) -> FleetScaling:
+    """serve.engine_autoscaling as the simulator's tests run it: Serve's loop every second,
+    a 3-s look-back, a TTFT target of 1 s unless given, requests in flight no signal."""
+    settings = {"min_replicas": 1, "ttft_p90_s": 1.0, "target_ongoing_requests": 1e9,
+                "metrics_interval_s": 1.0, "look_back_period_s": 3.0, "upscale_delay_s": 1.0,
+                **auto}
+    return FleetScaling(EngineAutoscaling(**settings), start_s=start_s)
 
 
 def _busy(ttft_s: float, at: float = 0.0, n: int = 20) -> EngineSignals:
@@ -23,8 +33,8 @@ def _busy(ttft_s: float, at: float = 0.0, n: int = 20) -> EngineSignals:
 
 
 def test_serve_applies_a_wish_only_once_it_held_for_the_delay_and_within_the_bounds():
-    a = Autoscaler(FleetScaling(min_engines=1, max_engines=3, ttft_p90_s=1.0,
-                                upscale_delay_s=2.0, downscale_delay_s=5.0), initial=1)
+    a = Autoscaler(_scaling(max_replicas=3, upscale_delay_s=2.0, downscale_delay_s=5.0),
+                   initial=1)
     # Four times the target: the policy doubles at most; Serve waits 2 s for it.
     assert a.tick(0.0, {"e0": _busy(4.0)}, 10) == 1
     assert a.tick(1.0, {"e0": _busy(4.0)}, 10) == 1
@@ -55,11 +65,16 @@ def test_the_engines_signals_are_their_last_windows():
     assert sig.report(21.0, look_back_s=3.0)[2] == 0.25  # no step since: 0, averaged
 
 
-def test_fleet_scaling_refuses_what_serve_would():
+def test_fleet_scaling_runs_rayattns_policy_on_the_schemas_settings():
     with pytest.raises(ValueError, match="target"):
-        FleetScaling()
-    with pytest.raises(ValueError, match="min"):
-        FleetScaling(min_engines=3, max_engines=2, kv_usage=0.5)
+        FleetScaling(EngineAutoscaling(max_replicas=2))  # Serve's default policy, not ours
+    with pytest.raises(ValueError, match="min_replicas"):
+        _scaling(min_replicas=3, max_replicas=2)
+    # The policy is the one Serve runs for this config (its kwargs, as serve_config says).
+    auto = EngineAutoscaling(max_replicas=4, kv_usage=0.5, hold_band=0.4)
+    kwargs = auto.serve_config()["policy"]["policy_kwargs"]
+    assert FleetScaling(auto).policy().targets == {"kv_usage": 0.5} and \
+        kwargs == {"kv_usage": 0.5, "hold_band": 0.4}
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +88,6 @@ def test_the_trace_routes_on_the_routers_own_keys(ramp):
     """A scaling fleet routes through the routing core's hashing (it remembers what each
     conversation sent, for its plans): its keys must be the trace's, or the simulated
     engines' caches and the router's view would never meet."""
-    from rayattn.config.schema import RouterConfig
     from rayattn.routing.core import RoutingCore
 
     core = RoutingCore(RouterConfig().routing_settings(), 32)
@@ -84,9 +98,9 @@ def test_the_trace_routes_on_the_routers_own_keys(ramp):
 
 @pytest.mark.parametrize("warm", [True, False])
 def test_a_ramp_grows_the_fleet_and_shrinks_it_back_losing_nothing(ramp, warm):
-    scaling = FleetScaling(min_engines=1, max_engines=6, ttft_p90_s=0.5, start_s=10,
-                           downscale_delay_s=20, warm=warm)
-    r = simulate(ramp, 1, "affinity", MODEL, index="events", scaling=scaling, seed=1)
+    scaling = _scaling(max_replicas=6, ttft_p90_s=0.5, downscale_delay_s=20, start_s=10)
+    r = simulate(ramp, 1, "affinity", MODEL, index="events", scaling=scaling, seed=1,
+                 router_cfg=RouterConfig(warm_engines=warm))
     assert r.requests == len(ramp)
     assert 1 < r.max_engines <= 6
     grew = [d for d in r.scale_decisions if d[1] > 1]
@@ -108,15 +122,13 @@ def test_a_ramp_grows_the_fleet_and_shrinks_it_back_losing_nothing(ramp, warm):
 
 
 def test_a_joining_engine_is_held_until_warmed_and_a_leaving_ones_conversations_move():
-    from rayattn.config.schema import RouterConfig
     from rayattn.routing.core import RoutingCore
     from rayattn.routing.prefix_index import PrefixIndex
 
     now = [0.0]
     core = RoutingCore(RouterConfig().routing_settings(), 16, clock=lambda: now[0])
     sent: list[tuple[str, list[int], object]] = []
-    members = Members(["e0", "e1", "e2"], 1, [core], PrefixIndex(), 4096, 64,
-                      FleetScaling(ttft_p90_s=1.0, max_engines=3),
+    members = Members(["e0", "e1", "e2"], 1, [core], PrefixIndex(), 4096, 64, RouterConfig(),
                       lambda target, ids, done: sent.append((target, ids, done)))
     system = list(range(1, 65))  # four blocks every conversation starts with
     for k in range(3):
