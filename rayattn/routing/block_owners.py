@@ -106,7 +106,10 @@ class BlockOwners(Generic[Holding]):
                 break
         for r in alive:
             result[r] = len(keys)
-        return result
+        # In the replicas' name order, not the owner sets' (Python's string hashing, seeded
+        # per process): a policy that takes the first of equal holders then picks the same
+        # one in every router replica and every run.
+        return {r: result[r] for r in sorted(result)}
 
     def _drop_owner(self, key: int, replica: str) -> None:
         owners = self._owners.get(key)
