@@ -161,3 +161,18 @@ def test_events_truth_matches_a_plain_model(script):
     for r, keys in truth.items():
         assert idx.size(r) == len(keys)
     assert sorted(idx.replicas) == sorted(truth)
+
+
+def test_the_holders_of_a_prefix_come_in_name_order():
+    """Not in a set's order (Python's string hashing, seeded per process): a policy taking
+    the first of equal holders must pick the same engine in every router replica."""
+    owners: BlockOwners[OrderedDict[int, None]] = BlockOwners(OrderedDict)
+    names = [f"engine-{i}" for i in (7, 3, 19, 0, 12, 5, 16, 9, 1, 14, 11, 2, 18, 6, 10,
+                                      4, 15, 8, 17, 13)]
+    for name in names:
+        owners.add_replica(name)
+        for key in (1, 2) if name.endswith("3") else (1,):
+            owners.add(name, key)
+    got = owners.match([1, 2])
+    assert list(got) == sorted(names)
+    assert got["engine-3"] == got["engine-13"] == 2 and got["engine-7"] == 1
