@@ -4,6 +4,7 @@ gives its own engines), started in turn, alternating which goes first.
 
     .venv/bin/python bench/cold_start.py [--config deployments/local.yaml] [--model DIR]
         [--runs 3] [--first-run 0] [--gpus 0] [--timeout-s 400] [--out FILE]
+        [--set KEY=VALUE ...] [--variant KEY=VALUE ...]
 
 Per start: seconds to the first answer (a 1-token chat completion through the stack's front
 door), to every engine answering, and when each phase first shows in the stack's log, for the
@@ -12,13 +13,16 @@ deployed and the engine replica's own start (rayattn only), vLLM's config resolv
 engine's process, its engine core process, weights loaded, torch.compile done, engine
 initialized, engine serving. Each stack is stopped as a user stops it (SIGTERM to its process
 group) before the next starts, and the next waits for the GPUs to be free. vLLM's compile
-cache is shared: the very first start fills it.
+cache is shared: the very first start fills it. A `--variant` is one more rayattn stack with
+one setting changed (`engine.prestart_core=false`: the engine core spawned after the
+replica's own vLLM import, as before the prestart).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import os
 import re
@@ -195,11 +199,12 @@ class Starts:
             self.running.pop()
         return end_strays(self.run)
 
-    def rayattn(self) -> dict[str, Any]:
+    def rayattn(self, config: Path | None = None, stack: str = "rayattn") -> dict[str, Any]:
         t0 = time.time()
         log = self.logdir / f"rayattn-{t0:.0f}.log"
         # Every engine's lines (Ray folds lines repeated across processes into one).
-        proc = self._spawn([sys.executable, "-m", "rayattn.cli", "serve", str(self.config)],
+        proc = self._spawn([sys.executable, "-m", "rayattn.cli", "serve",
+                            str(config or self.config)],
                            log, {**os.environ, "RAY_DEDUP_LOGS": "0"})
         watch = LogWatch(log, t0, split_engines=True)
         watch.start()
@@ -212,7 +217,7 @@ class Starts:
         strays = self.stop()  # lines already written keep the time they were first read
         seen = watch.finish()
         engines = [v for k, v in seen.items() if k != "cluster"]
-        return {"stack": "rayattn", "first_answer_s": first and round(first - t0, 1),
+        return {"stack": stack, "first_answer_s": first and round(first - t0, 1),
                 "all_engines_s": every and round(every - t0, 1),
                 "phases": {**seen.get("cluster", {}), **slowest(engines, self.engines)},
                 # More than the engines: a replica restarted (its phases are then left out).
@@ -252,17 +257,32 @@ class Starts:
                 "phases": slowest(seen, self.engines), "exit": [p.returncode for p in procs]}
 
 
+def override(args: dict[str, Any], setting: str) -> None:
+    """`parallelism.data_parallel_size=1` (a YAML value) into an app's args."""
+    key, value = setting.split("=", 1)
+    *parents, leaf = key.split(".")
+    for p in parents:
+        args = args.setdefault(p, {})
+    args[leaf] = yaml.safe_load(value)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="deployments/local.yaml")
     ap.add_argument("--model", help="the model's directory in place of the config's source")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--first-run", type=int, default=0,
-                    help="the first run's number (its parity picks which stack goes first, "
-                         "so runs split over several calls keep alternating)")
+                    help="the first run's number (it picks which stack goes first, so runs "
+                         "split over several calls keep rotating)")
     ap.add_argument("--gpus", type=int, default=0, help="one vllm serve per GPU, in turn")
     ap.add_argument("--timeout-s", type=float, default=400)
     ap.add_argument("--out", default="/tmp/cold_start.json")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted setting of the app's args for every stack "
+                         "(parallelism.data_parallel_size=1)")
+    ap.add_argument("--variant", action="append", default=[], metavar="KEY=VALUE",
+                    help="one more rayattn stack, with this setting changed "
+                         "(engine.prestart_core=false)")
     a = ap.parse_args()
 
     from rayattn.config.loader import app_args, parse_args
@@ -272,11 +292,20 @@ def main() -> int:
     app = cfg["applications"][0]
     if a.model:
         app["args"]["model"]["source"] = a.model
+    for setting in a.set:
+        override(app["args"], setting)
     parsed = parse_args(app_args(app))
     plan = build_plan(parsed, prepare_model=True)
     logdir = Path(tempfile.mkdtemp(prefix="cold-start-"))
     config = logdir / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
+    variants: dict[str, Path] = {}
+    for k, setting in enumerate(a.variant):
+        changed = copy.deepcopy(cfg)
+        override(changed["applications"][0]["args"], setting)
+        parse_args(app_args(changed["applications"][0]))  # refused before anything starts
+        variants[f"rayattn@{setting}"] = logdir / f"variant{k}.yaml"
+        variants[f"rayattn@{setting}"].write_text(yaml.safe_dump(changed))
     starts = Starts(config, plan, parsed.model.name, cfg.get("http_options", {}).get("port", 8000),
                     plan.replicas, a.gpus, logdir, a.timeout_s)
     out = Path(a.out)
@@ -287,10 +316,14 @@ def main() -> int:
     # `timeout` sends SIGTERM: stop what runs, keep what was measured.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
+        stacks = ["rayattn", *variants, "vllm"]
         for run in range(a.first_run, a.first_run + a.runs):
-            for stack in (("rayattn", "vllm") if run % 2 == 0 else ("vllm", "rayattn")):
+            # Each run starts the stacks in a rotated order: none is always first.
+            k = run % len(stacks)
+            for stack in stacks[k:] + stacks[:k]:
                 gpus_free(a.gpus)
-                r = {"run": run, **getattr(starts, stack)()}
+                r = {"run": run, **(starts.vllm() if stack == "vllm" else
+                                    starts.rayattn(variants.get(stack), stack))}
                 report["runs"].append(r)
                 print(json.dumps(r), flush=True)
                 out.write_text(json.dumps(report, indent=1))

@@ -183,6 +183,11 @@ PLATFORM_ENV: dict[str, dict[str, str]] = {
         # OpenMP spinning made 32 tokens take seconds instead of tens of milliseconds.
         "OMP_NUM_THREADS": "1",
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+        # What vLLM's CPU platform sets at its engine config, set before any import: torch's
+        # inductor reads them when imported, and a prestarted engine core (engine.prestart_core)
+        # imports it before vLLM's config exists.
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
+        "TORCHINDUCTOR_CPP_DYNAMIC_THREADS": "1",
     },
 }
 

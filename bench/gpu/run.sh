@@ -86,10 +86,14 @@ dp-ranks)
     | tee "$OUT/dp-ranks.log" | grep -v -E "^\s*$|INFO|WARNING|DEBUG" | tail -70
   ;;
 cold-start)
-  # `rayattn serve deployments/h200.yaml` against two `vllm serve`, one GPU each, in turn.
-  export CUDA_VISIBLE_DEVICES=0,1
+  # `rayattn serve deployments/h200.yaml` against one `vllm serve` per GPU, in turn (two
+  # engines, or one where the node has one GPU).
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NG - 1)))
+  one=()
+  [ "$NG" -ge 2 ] || one=(--set parallelism.data_parallel_size=1 --set platform.gpus_per_node=1)
   timeout 585 python3 "$TREE/bench/cold_start.py" --config deployments/h200.yaml \
-    --model $W/llama-0.85b --gpus 2 --out "$OUT/cold_start.json" "$@" 2>&1 \
+    --model $W/llama-0.85b --gpus "$((NG >= 2 ? 2 : 1))" "${one[@]}" \
+    --out "$OUT/cold_start.json" "$@" 2>&1 \
     | tee "$OUT/cold_start.log" | grep -E "^\{|engines|Error|Traceback" | tail -20
   ;;
 capacity)

@@ -289,6 +289,10 @@ class EngineConfig(_Strict):
     """Block hash function; the router uses the same one to predict cache hits."""
     enforce_eager: bool = False
     """Skip CUDA/HIP graph capture (and torch.compile). On CPU it cuts start-up with no loss."""
+    prestart_core: bool = True
+    """Start the engine core's process (a forkserver importing vLLM's engine core) as the
+    replica starts, so that its imports run beside the replica's own loading of vLLM instead
+    of after it; off: vLLM spawns the engine core once its config is built."""
     kv_events: bool = True
     """Publish vLLM's KV cache events (ZMQ, a port per engine on its node). Routers with
     `router.index: events` follow every engine's real cache from them."""

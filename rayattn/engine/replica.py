@@ -67,8 +67,13 @@ class EngineReplica:
         # what came before is Ray's worker start, Ray's and rayattn's imports, the plan and
         # the reaper's start.
         log.info("engine %s starting (pid %d): loading vLLM", self.replica_id, os.getpid())
+        if cfg.engine.prestart_core:
+            patches.prestart_engine_core()
         # vLLM loads here, in the replica, not where Serve builds the application.
         from rayattn.engine import startup
+
+        if cfg.engine.prestart_core and patches.launch_engine_cores_prestarted():
+            patches.log_applied(f"engine {self.replica_id}", [patches.PRESTARTED_ENGINE_CORE])
 
         self.cfg, self.plan = cfg, plan
         self.tracing = tracing.make(cfg.tracing, "engine")

@@ -19,6 +19,8 @@ import importlib.abc
 import importlib.machinery
 import importlib.util
 import logging
+import multiprocessing.context
+import os
 import sys
 from collections.abc import Callable, Iterable
 from types import ModuleType
@@ -59,7 +61,18 @@ MOVED_VLLM_MODULES = Patch(
     "the benchmark rival's Ray workers (worker_process_setup_hook, "
     "bench/peers/ray_serve_llm.py)")
 
-PATCHES = (RENDER_ONCE, INCREMENTAL_TOKENIZER, MOVED_VLLM_MODULES)
+PRESTARTED_ENGINE_CORE = Patch(
+    "prestarted_engine_core",
+    "vLLM's engine-core launcher (vllm.v1.engine.utils.get_mp_context): a forkserver "
+    "context in place of spawn, its server started, importing vLLM's engine core, before the "
+    "replica imports vLLM",
+    "the engine core process's interpreter start and vLLM's imports (the longest part of its "
+    "start) run beside the replica's own instead of after them; each engine core still starts "
+    "from a fresh interpreter (never a fork of the Ray actor) with the environment vLLM gave "
+    "it at launch",
+    "engine replica, around loading vLLM (rayattn/engine/replica.py; engine.prestart_core)")
+
+PATCHES = (RENDER_ONCE, INCREMENTAL_TOKENIZER, MOVED_VLLM_MODULES, PRESTARTED_ENGINE_CORE)
 
 
 def log_applied(where: str, applied: Iterable[Patch]) -> None:
@@ -140,3 +153,81 @@ def restore_moved_vllm_modules() -> None:
     if not any(isinstance(f, MovedModuleFinder) for f in sys.meta_path):
         sys.meta_path.append(MovedModuleFinder())
         log_applied("Ray Serve LLM worker (benchmark rival)", [MOVED_VLLM_MODULES])
+
+
+# --- prestarted_engine_core -----------------------------------------------------------------
+ENGINE_CORE_MODULE = "vllm.v1.engine.core"
+"""What the forkserver imports before it forks anything: the engine core's entry point and,
+through it, vLLM's config, torch and the model executor."""
+
+
+class LaunchEnvProcess(multiprocessing.context.ForkServerProcess):
+    """A forkserver process that runs in the environment its launcher had at start(), not the
+    one the forkserver was started with: vLLM sets variables between the two (RAY_ADDRESS,
+    each DP rank's devices)."""
+
+    _launch_env: dict[str, str]
+
+    def start(self) -> None:
+        self._launch_env = dict(os.environ)
+        super().start()
+
+    def run(self) -> None:
+        os.environ.clear()
+        os.environ.update(self._launch_env)
+        die_with_parent()
+        super().run()
+
+
+def die_with_parent() -> None:
+    """This process gets SIGKILL when its parent, the forkserver, ends. A spawned engine
+    core is a child of its replica, which Ray's worker cleanup and rayattn's reaper both
+    end with it; a forkserver's child is its grandchild, and Ray's cleanup, ending the
+    replica's children at once (the forkserver and the reaper among them), would leave it
+    running. The forkserver's one thread lives as long as the forkserver, so the signal
+    comes with the forkserver's end and nothing else. Linux only (prctl)."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the forkserver ended before the signal was asked for
+        os._exit(1)
+
+
+class LaunchEnvForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = LaunchEnvProcess  # type: ignore[assignment]
+
+
+def prestart_engine_core() -> None:
+    """PRESTARTED_ENGINE_CORE, first half. Start this process's forkserver now, importing
+    ENGINE_CORE_MODULE: call with the engine's environment final and before importing vLLM,
+    so that the two imports run side by side. Returns at once (the server imports while this
+    process goes on; a launch waits for it)."""
+    from multiprocessing import forkserver
+
+    forkserver.set_forkserver_preload([ENGINE_CORE_MODULE])
+    forkserver.ensure_running()
+
+
+def launch_engine_cores_prestarted() -> bool:
+    """PRESTARTED_ENGINE_CORE, second half. vLLM's engine-core launcher takes its processes
+    from the forkserver where it would spawn them (vLLM's own checks still run first, and
+    decide: a fork stays a fork). False where the installed vLLM launches through something
+    else: its engine cores are then spawned as before."""
+    import vllm.v1.engine.utils as launcher
+
+    spawn_context = getattr(launcher, "get_mp_context", None)
+    if spawn_context is None:
+        return False
+    prestarted = LaunchEnvForkServerContext()
+
+    def get_mp_context() -> Any:
+        context = spawn_context()
+        return prestarted if context.get_start_method() == "spawn" else context
+
+    launcher.get_mp_context = get_mp_context
+    return True

