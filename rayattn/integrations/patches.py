@@ -173,10 +173,22 @@ class LaunchEnvProcess(multiprocessing.context.ForkServerProcess):
         super().start()
 
     def run(self) -> None:
+        keep_process_title()
         os.environ.clear()
         os.environ.update(self._launch_env)
         die_with_parent()
         super().run()
+
+
+def keep_process_title() -> None:
+    """setproctitle (vLLM names its engine core `VLLM::EngineCore` with it) finds the memory it
+    may overwrite from the environment's layout as the process started: let it find it before
+    the environment is rewritten, or the title never changes."""
+    try:
+        import setproctitle
+    except ImportError:
+        return
+    setproctitle.getproctitle()
 
 
 def die_with_parent() -> None:
