@@ -44,6 +44,7 @@ import importlib.metadata
 import importlib.util
 import inspect
 import logging
+import os
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -268,7 +269,31 @@ def engine_env_defaults(platform: str, engine_kwargs: dict[str, Any] | None = No
         # outside the ephemeral range (ports.py), so co-located replicas probe apart. With
         # vLLM's own DP (data_parallel_size > 1) the variable is vLLM's and left alone.
         env["VLLM_DP_MASTER_PORT"] = str(pick_port(span=TCPSTORE_WINDOW) - 100)
+    if platform == "cpu" and (gomp := torch_libgomp()):
+        # vLLM's CPU platform preloads PyTorch's OpenMP runtime into its engine core, setting
+        # LD_PRELOAD while it builds its config, for the spawn that follows; a prestarted
+        # engine core's process (engine.prestart_core) started before that, and the loader
+        # reads LD_PRELOAD only when a program starts: set first, as vLLM would.
+        env["LD_PRELOAD"] = gomp
     return env
+
+
+def torch_libgomp() -> str | None:
+    """PyTorch's own OpenMP runtime, where vLLM's CPU platform looks for it (without importing
+    torch)."""
+    import glob
+    import importlib.util
+
+    spec = importlib.util.find_spec("torch")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    torch_dir = list(spec.submodule_search_locations)[0]
+    for libs in (os.path.join(os.path.dirname(torch_dir), "torch.libs"),
+                 os.path.join(torch_dir, "lib")):
+        found = sorted(glob.glob(os.path.join(libs, "libgomp*.so*")))
+        if found:
+            return found[0]
+    return None
 
 
 TCPSTORE_WINDOW = 32

@@ -54,8 +54,8 @@ def descendants(pid: int, exclude: set[int] = frozenset()) -> dict[int, float]:
 
 
 def end_processes(known: dict[int, float]) -> int:
-    """SIGTERM the still-living processes of `known` and their descendants, SIGKILL what is
-    left after GRACE_S. Returns how many were ended."""
+    """SIGTERM the still-living processes of `known` and their descendants, children first,
+    SIGKILL what is left of each generation after GRACE_S. Returns how many were ended."""
     victims: list[psutil.Process] = []
     for pid, created in known.items():
         try:
@@ -66,18 +66,34 @@ def end_processes(known: dict[int, float]) -> int:
             victims.extend(p.children(recursive=True))
         except psutil.Error:
             continue
-    for p in victims:
-        try:
-            p.terminate()
-        except psutil.Error:
-            pass
-    _, alive = psutil.wait_procs(victims, timeout=GRACE_S)
-    for p in alive:
-        try:
-            p.kill()
-        except psutil.Error:
-            pass
+    # Children before their parents: a process's own shutdown (vLLM's engine core) runs while
+    # its parent lives, since a parent ended first can take its children down at once (a
+    # prestarted engine core gets SIGKILL when its forkserver ends).
+    pending = list({p.pid: p for p in victims}.values())
+    while pending:
+        pids = {p.pid for p in pending}
+        parents = {_ppid(p) for p in pending} & pids
+        leaves = [p for p in pending if p.pid not in parents] or pending
+        for p in leaves:
+            try:
+                p.terminate()
+            except psutil.Error:
+                pass
+        _, alive = psutil.wait_procs(leaves, timeout=GRACE_S)
+        for p in alive:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+        pending = [p for p in pending if p not in leaves]
     return len(victims)
+
+
+def _ppid(p: psutil.Process) -> int | None:
+    try:
+        return p.ppid()
+    except psutil.Error:
+        return None
 
 
 def watch(pid: int) -> None:

@@ -72,8 +72,10 @@ class EngineReplica:
         # vLLM loads here, in the replica, not where Serve builds the application.
         from rayattn.engine import startup
 
-        if cfg.engine.prestart_core and patches.launch_engine_cores_prestarted():
-            patches.log_applied(f"engine {self.replica_id}", [patches.PRESTARTED_ENGINE_CORE])
+        # The run-time patches this engine applied, logged in one line once its serving
+        # layer is built.
+        self._patches = ([patches.PRESTARTED_ENGINE_CORE] if cfg.engine.prestart_core
+                         and patches.launch_engine_cores_prestarted() else [])
 
         self.cfg, self.plan = cfg, plan
         self.tracing = tracing.make(cfg.tracing, "engine")
@@ -246,8 +248,8 @@ class EngineReplica:
             self.engine, self.plan.engine_kwargs, frontend,
             {"engine": self.replica_id, "rank": self.rank, "pid": os.getpid()},
             self.metrics, self.inflight.report, self.tracing)
-        patches.log_applied(f"engine {self.replica_id}",
-                            [patches.RENDER_ONCE] if layer.takes_rendered else [])
+        patches.log_applied(f"engine {self.replica_id}", [
+            *self._patches, *([patches.RENDER_ONCE] if layer.takes_rendered else [])])
         return layer
 
     async def models(self, target: str | None = None) -> dict[str, Any]:

@@ -159,6 +159,12 @@ def restore_moved_vllm_modules() -> None:
 ENGINE_CORE_MODULE = "vllm.v1.engine.core"
 """What the forkserver imports before it forks anything: the engine core's entry point and,
 through it, vLLM's config, torch and the model executor."""
+LOADER_VARIABLES = ("LD_PRELOAD",)
+"""Read by the dynamic loader only when a program starts: a forkserver's child has what the
+forkserver started with, whatever its launch environment says. (LD_LIBRARY_PATH is not here:
+what imports add to it, OpenCV's and vLLM's own, the forkserver's imports add too, after its
+start as after a spawned engine core's.)"""
+_server_loader_env: dict[str, str | None] = {}
 
 
 class LaunchEnvProcess(multiprocessing.context.ForkServerProcess):
@@ -172,12 +178,24 @@ class LaunchEnvProcess(multiprocessing.context.ForkServerProcess):
         self._launch_env = dict(os.environ)
         super().start()
 
-    def run(self) -> None:
-        keep_process_title()
-        os.environ.clear()
-        os.environ.update(self._launch_env)
-        die_with_parent()
-        super().run()
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Unpickled in the new process: the environment is entered first, before what the
+        # process's arguments import while they are unpickled (an executor class's module).
+        return (enter_launch_env, (type(self), self._launch_env), self.__dict__.copy())
+
+
+def enter_launch_env(cls: type[LaunchEnvProcess], env: dict[str, str]) -> LaunchEnvProcess:
+    """In a new forkserver process: its launch environment, its title kept, its end tied to
+    the forkserver's; then the process object, whose state pickle fills in afterwards."""
+    keep_process_title()
+    os.environ.clear()
+    os.environ.update(env)
+    die_with_parent()
+    return cls.__new__(cls)
+
+
+class LaunchEnvForkServerContext(multiprocessing.context.ForkServerContext):
+    Process = LaunchEnvProcess  # type: ignore[assignment]
 
 
 def keep_process_title() -> None:
@@ -201,17 +219,15 @@ def die_with_parent() -> None:
     import ctypes
     import signal
 
+    parent = os.getppid()
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        if libc.prctl(1, signal.SIGKILL, 0, 0, 0) != 0:  # PR_SET_PDEATHSIG
+            return
     except (OSError, AttributeError):
         return
-    if os.getppid() == 1:  # the forkserver ended before the signal was asked for
+    if os.getppid() != parent:  # the forkserver ended before the signal was asked for
         os._exit(1)
-
-
-class LaunchEnvForkServerContext(multiprocessing.context.ForkServerContext):
-    Process = LaunchEnvProcess  # type: ignore[assignment]
 
 
 def prestart_engine_core() -> None:
@@ -221,6 +237,7 @@ def prestart_engine_core() -> None:
     process goes on; a launch waits for it)."""
     from multiprocessing import forkserver
 
+    _server_loader_env.update({k: os.environ.get(k) for k in LOADER_VARIABLES})
     forkserver.set_forkserver_preload([ENGINE_CORE_MODULE])
     forkserver.ensure_running()
 
@@ -228,18 +245,31 @@ def prestart_engine_core() -> None:
 def launch_engine_cores_prestarted() -> bool:
     """PRESTARTED_ENGINE_CORE, second half. vLLM's engine-core launcher takes its processes
     from the forkserver where it would spawn them (vLLM's own checks still run first, and
-    decide: a fork stays a fork). False where the installed vLLM launches through something
-    else: its engine cores are then spawned as before."""
+    decide: a fork stays a fork), unless vLLM changed what the loader reads at a program's
+    start since the forkserver started: then it spawns, as without the prestart, and says why
+    once. False where the installed vLLM launches through something else: its engine cores are
+    then spawned as before."""
     import vllm.v1.engine.utils as launcher
 
     spawn_context = getattr(launcher, "get_mp_context", None)
     if spawn_context is None:
         return False
     prestarted = LaunchEnvForkServerContext()
+    warned: list[str] = []
 
     def get_mp_context() -> Any:
         context = spawn_context()
-        return prestarted if context.get_start_method() == "spawn" else context
+        if context.get_start_method() != "spawn":
+            return context
+        changed = [k for k in LOADER_VARIABLES if os.environ.get(k) != _server_loader_env.get(k)]
+        if changed:
+            if not warned:
+                warned.append("")
+                log.warning("engine core spawned, not prestarted: %s changed since the "
+                            "forkserver started (%s)", ", ".join(changed),
+                            "; ".join(f"{k}={os.environ.get(k)}" for k in changed))
+            return context
+        return prestarted
 
     launcher.get_mp_context = get_mp_context
     return True

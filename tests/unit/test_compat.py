@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import types
 
+import pytest
+
 from rayattn import compat
 
 
@@ -41,6 +43,7 @@ def test_step_metrics_kwargs(monkeypatch, caplog):
 
 def test_flashinfer_sampler_env(monkeypatch):
     monkeypatch.setattr(compat, "flashinfer_available", lambda: False)
+    monkeypatch.setattr(compat, "torch_libgomp", lambda: None)
     assert compat.engine_env_defaults("cuda") == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
     assert compat.engine_env_defaults("cpu") == {}
     env = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
@@ -56,6 +59,7 @@ def test_tcpstore_port_window_per_ray_executor_engine(monkeypatch):
     4 × H200 failed with EADDRINUSE); each such engine gets its own window."""
     monkeypatch.setattr(compat, "flashinfer_available", lambda: True)
     monkeypatch.setattr(compat, "tcpstore_port_race", lambda: True)
+    monkeypatch.setattr(compat, "torch_libgomp", lambda: None)
     tp2 = {"distributed_executor_backend": "ray", "data_parallel_size": 1}
     ports = {int(compat.engine_env_defaults("cuda", tp2)["VLLM_DP_MASTER_PORT"])
              for _ in range(3)}
@@ -76,3 +80,17 @@ def test_tcpstore_port_race_probe_matches_installed_vllm():
 
     compat.tcpstore_port_race.cache_clear()
     assert compat.tcpstore_port_race() == hasattr(RayExecutorV2, "_select_tcpstore_port")
+
+
+def test_cpu_engines_preload_pytorchs_openmp_before_any_engine_process_starts(monkeypatch):
+    """vLLM's CPU platform sets LD_PRELOAD to PyTorch's libgomp while building its config; a
+    prestarted engine core started before that, and the loader reads it only at a start."""
+    found = compat.torch_libgomp()
+    if found is None:
+        pytest.skip("this torch has no libgomp of its own")
+    assert "libgomp" in found and found.endswith(tuple(f".so{s}" for s in ("", ".1")))
+    assert compat.engine_env_defaults("cpu") == {"LD_PRELOAD": found}
+    env = {"LD_PRELOAD": "/opt/libiomp5.so"}
+    assert compat.apply_engine_env(env, "cpu") == {}  # the user's (or vLLM's own) wins
+    monkeypatch.setattr(compat, "flashinfer_available", lambda: True)
+    assert "LD_PRELOAD" not in compat.engine_env_defaults("cuda")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -150,7 +151,8 @@ def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
     replica = SimpleNamespace(
         cfg=None, engine=None, plan=SimpleNamespace(adapters={}, engine_kwargs={}),
         replica_id="engine-1", rank=0, metrics=None,
-        inflight=SimpleNamespace(report=None), tracing=None)
+        inflight=SimpleNamespace(report=None), tracing=None,
+        _patches=[patches.PRESTARTED_ENGINE_CORE])
     lazy = openai_layer.LazyOpenAILayer(lambda: EngineReplica._build_openai(replica))
 
     async def twice() -> tuple[object, object]:
@@ -161,41 +163,73 @@ def test_the_engine_logs_its_patches_once_its_serving_layer_is_built(
     lines = [r.getMessage() for r in caplog.records if r.name == patches.__name__]
     assert len(lines) == 1 and lines[0].startswith("engine engine-1: ")
     assert ("render_once" in lines[0]) == takes_rendered
+    assert "prestarted_engine_core" in lines[0]  # applied at the start, logged here
 
 
+PROBE_MODULE = """
+import os, time
+AT_IMPORT = os.environ.get("RAYATTN_PROBE")
+
+def report(out):
+    with open(out, "w") as f:
+        f.write(f"{AT_IMPORT}|{os.environ.get('RAYATTN_PROBE')}")
+
+def sleep():
+    time.sleep(120)
+"""
 LAUNCH_ENV_SCRIPT = """
-import os, sys
+import os, sys, time
 from multiprocessing import forkserver
+from multiprocessing.context import ForkServerProcess
 from rayattn.integrations import patches
 
+out = sys.argv[1]
 forkserver.set_forkserver_preload(["json"])
 os.environ["RAYATTN_PROBE"] = "at the server's start"
 forkserver.ensure_running()
 os.environ["RAYATTN_PROBE"] = "at the launch"
-for cls, out in ((patches.LaunchEnvProcess, sys.argv[1]),
-                 (patches.LaunchEnvForkServerContext().Process, sys.argv[1] + ".ctx")):
-    p = cls(target=os.system, args=(f'printf %s "$RAYATTN_PROBE" > {out}',))
+sys.path.insert(0, os.path.dirname(out))
+import probe
+for cls, name in ((patches.LaunchEnvProcess, "env"),
+                  (patches.LaunchEnvForkServerContext().Process, "ctx"),
+                  (ForkServerProcess, "plain")):
+    p = cls(target=probe.report, args=(f"{out}.{name}",))
     p.start()
     p.join(60)
     assert p.exitcode == 0, p.exitcode
-from multiprocessing.context import ForkServerProcess
-p = ForkServerProcess(target=os.system, args=(f'printf %s "$RAYATTN_PROBE" > {sys.argv[1]}.plain',))
+# The engine core's end is tied to its forkserver's (Ray's cleanup ends the server alone).
+p = patches.LaunchEnvProcess(target=probe.sleep)
 p.start()
-p.join(60)
+time.sleep(1)
+os.kill(forkserver._forkserver._forkserver_pid, 9)
+deadline = time.time() + 20
+while p.exitcode is None and time.time() < deadline:
+    try:
+        os.kill(p.pid, 0)
+    except ProcessLookupError:
+        break
+    time.sleep(0.1)
+with open(f"{out}.orphan", "w") as f:
+    f.write("gone" if time.time() < deadline else "running")
 """
 
 
 def test_a_prestarted_engine_core_runs_in_the_environment_of_its_launch(tmp_path):
     """vLLM sets variables after the forkserver started (RAY_ADDRESS, a DP rank's devices):
-    the process it launches sees them, where a plain forkserver process sees the server's."""
+    the process it launches sees them, already while its arguments are unpickled (a module
+    they import reads them), where a plain forkserver process sees the server's. And it
+    ends when its forkserver is killed."""
     import subprocess
 
-    out = tmp_path / "env"
+    (tmp_path / "probe.py").write_text(PROBE_MODULE)
+    out = tmp_path / "out"
     subprocess.run([sys.executable, "-c", LAUNCH_ENV_SCRIPT, str(out)], check=True, timeout=120,
                    cwd=PACKAGE.parent)
-    assert out.read_text() == "at the launch"
-    assert (tmp_path / "env.ctx").read_text() == "at the launch"
-    assert (tmp_path / "env.plain").read_text() == "at the server's start"
+    launch = "at the launch|at the launch"
+    assert (tmp_path / "out.env").read_text() == launch
+    assert (tmp_path / "out.ctx").read_text() == launch
+    assert (tmp_path / "out.plain").read_text() == "at the server's start|at the server's start"
+    assert (tmp_path / "out.orphan").read_text() == "gone"
 
 
 def test_vllm_launches_from_the_forkserver_only_where_it_would_spawn(monkeypatch):
@@ -205,9 +239,18 @@ def test_vllm_launches_from_the_forkserver_only_where_it_would_spawn(monkeypatch
 
     original = launcher.get_mp_context
     monkeypatch.setattr(launcher, "get_mp_context", original)  # restored after
+    # As prestart_engine_core records it when the forkserver starts.
+    monkeypatch.setattr(patches, "_server_loader_env",
+                        {k: os.environ.get(k) for k in patches.LOADER_VARIABLES})
     assert patches.launch_engine_cores_prestarted()
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     assert isinstance(launcher.get_mp_context(), patches.LaunchEnvForkServerContext)
+    # What the loader reads at a start changed since (vLLM's CPU platform preloads its
+    # OpenMP runtime): spawned, as without the prestart.
+    monkeypatch.setenv("LD_PRELOAD", "/opt/elsewhere/libgomp.so.1")
+    assert launcher.get_mp_context().get_start_method() == "spawn"
+    monkeypatch.setattr(patches, "_server_loader_env", {"LD_PRELOAD": os.environ["LD_PRELOAD"]})
+    monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     monkeypatch.setenv("VLLM_WORKER_MULTIPROC_METHOD", "fork")
     # vLLM's own choice: fork, or spawn where it must (CUDA initialized in this process, a
     # Ray actor); only a spawn becomes the forkserver.
