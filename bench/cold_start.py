@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # After what PYTHONPATH names: bench/gpu/run.sh serves a snapshot of rayattn from there.
 sys.path.append(str(ROOT))
 
+from bench.gpu.common import set_dotted  # noqa: E402
 from bench.peers.vllm_router import end_group, serve_command  # noqa: E402
 from rayattn.config.plan import Plan  # noqa: E402
 
@@ -260,10 +261,7 @@ class Starts:
 def override(args: dict[str, Any], setting: str) -> None:
     """`parallelism.data_parallel_size=1` (a YAML value) into an app's args."""
     key, value = setting.split("=", 1)
-    *parents, leaf = key.split(".")
-    for p in parents:
-        args = args.setdefault(p, {})
-    args[leaf] = yaml.safe_load(value)
+    set_dotted(args, key, yaml.safe_load(value))
 
 
 def main() -> int:

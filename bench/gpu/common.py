@@ -63,12 +63,16 @@ def rayattn_args(config: str, model: str | None = None, **over: Any) -> dict:
     if model:
         args["model"]["source"] = model
     for key, value in over.items():
-        node = args
-        *parents, leaf = key.split(".")
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
+        set_dotted(args, key, value)
     return args
+
+
+def set_dotted(args: dict, key: str, value: Any) -> None:
+    """`parallelism.tensor_parallel_size` = 2 into an app's args."""
+    *parents, leaf = key.split(".")
+    for p in parents:
+        args = args.setdefault(p, {})
+    args[leaf] = value
 
 
 class RayattnApp:
