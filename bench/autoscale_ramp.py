@@ -6,10 +6,13 @@ and KV usage; rayattn/engine/scaling_policy.py).
         [--system-words 0]
         [--engines 1,3] [--quiet 6] [--peak 24] [--phases-s 60,120,90] [--think-s 2]
         [--runs 1] [--out bench/results/autoscale_ramp.json] [--plot docs/img/ramp.png]
+        [--config deployments/local.yaml] [--real-engines] [--model PATH] [--set K=V]...
 
-Ray and Serve start here with deployments/local.yaml's app, its engines simulated (their step
-time models a GPU engine's: `--prefill-us-per-token`, `--step-ms`; the router, HAProxy and
-Serve's autoscaler are the real ones) and autoscaled between `--engines` bounds. For each
+Ray and Serve start here with `--config`'s application (deployments/local.yaml), its
+engines simulated (their step time models a GPU engine's: `--prefill-us-per-token`,
+`--step-ms`) or, with `--real-engines`, its own vLLM engines (bench/gpu/run.sh ramp:
+deployments/h200.yaml on a GPU host); the router, HAProxy and Serve's autoscaler are the
+real ones. The engines are autoscaled between `--engines` bounds. For each
 policy and run the app is deleted and deployed anew (fresh engines, cold caches, the fleet at
 its minimum), the policies' order rotating from run to run; then the same conversations (one
 seed per run) run closed loop: a document, then turns of the whole history plus a question,
@@ -21,9 +24,10 @@ Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turn
 policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
 whose TTFT p90 is within `--ttft-target-s`, engine-seconds (also per 100 requests), failed
 requests (a turn that raised, or still running 120 s after the ramp, counts), later turns'
-uncached prompt tokens and the share of their prompt tokens found cached; of the later turns
-that ran on another replica than their previous turn (moved), the count, cached share and
-TTFT p50.
+uncached prompt tokens, the share of their prompt tokens found cached and the share of their
+own history's whole blocks (the previous turn's prompt and output) found cached; of the
+later turns that ran on another replica than their previous turn (moved), the count, cached
+share and TTFT p50.
 
 A policy may carry router settings for its run: `ttft:1.5@warm_engines=false` (the router's
 user_config, values as YAML reads them)."""
@@ -40,9 +44,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+# After what PYTHONPATH names: bench/gpu/run.sh serves a snapshot of rayattn from there.
+sys.path.append(str(ROOT))
 
-MODEL = "smollm2"
 WINDOW_S = 10.0
 WORDS = ("river mountain valley forest ocean desert city harbor bridge tower garden market "
          "engine kernel cache block token router replica prefix decode extend prefill").split()
@@ -77,23 +81,39 @@ def autoscaling(policy: str, lo: int, hi: int, ttft_target: float) -> dict[str, 
 
 
 def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
+    """`--config`'s Serve config with the policy's autoscaling on its engine deployment, the
+    engines simulated unless `--real-engines`, then `--model` and `--set` over its args."""
     import yaml
 
-    cfg = yaml.safe_load((ROOT / "deployments" / "local.yaml").read_text())
+    from bench.gpu.common import set_dotted
+
+    cfg = yaml.safe_load(Path(a.config).read_text())
     cfg["http_options"]["port"] = a.port
     app = cfg["applications"][0]
     args = app["args"]
-    args["platform"]["cpus_per_engine"] = 0.01
-    args["engine"]["simulated"] = {
-        "step_ms": a.step_ms, "prefill_us_per_token": a.prefill_us_per_token,
-        "decode_us_per_seq": a.decode_us_per_seq, "num_blocks": 16384,
-        "max_tokens": a.max_tokens}
+    # The engine count is the autoscaler's (a fixed data_parallel_size would conflict).
+    args.setdefault("parallelism", {})["data_parallel_size"] = 1
+    if not a.real_engines:
+        args["platform"]["cpus_per_engine"] = 0.01
+        args["engine"]["simulated"] = {
+            "step_ms": a.step_ms, "prefill_us_per_token": a.prefill_us_per_token,
+            "decode_us_per_seq": a.decode_us_per_seq, "num_blocks": 16384,
+            "max_tokens": a.max_tokens}
+    if a.model:
+        args["model"]["source"] = a.model
+    for kv in a.set:
+        key, _, value = kv.partition("=")
+        set_dotted(args, key, yaml.safe_load(value))
     lo, hi = (int(x) for x in a.engines.split(","))
-    for d in app["deployments"]:
+    deployments = app.setdefault("deployments", [])
+    for name in ("engine", "router"):
+        if not any(d["name"] == name for d in deployments):
+            deployments.append({"name": name})
+    for d in deployments:
         if d["name"] == "engine":
             d["autoscaling_config"] = autoscaling(policy, lo, hi, a.ttft_target_s)
         if d["name"] == "router":
-            d["user_config"].update(router_settings(policy))
+            d.setdefault("user_config", {}).update(router_settings(policy))
     return cfg
 
 
@@ -116,7 +136,8 @@ def engines_held() -> int:
     return sum(dep.replica_states.values()) if dep else 0
 
 
-async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], list[tuple]]:
+async def ramp(url: str, a: argparse.Namespace, seed: int, model: str, block: int
+               ) -> tuple[list[dict], list[tuple]]:
     import aiohttp
 
     from rayattn.bench.driver import chat_turn
@@ -140,18 +161,22 @@ async def ramp(url: str, a: argparse.Namespace, seed: int) -> tuple[list[dict], 
         messages = [*system, {"role": "user", "content": f"{name}: {doc}\nWhat is this about?"}]
         conv = Conversation("", [], name, a.max_tokens)
         previous = None  # the replica of its previous turn
+        history = 0  # the previous turn's prompt and output: what this turn could find cached
         for turn in range(a.turns):
             start = loop.time() - t0
             try:
-                r = await chat_turn(client, url, MODEL, messages, conv, turn, t0)
+                r = await chat_turn(client, url, model, messages, conv, turn, t0)
             except (TimeoutError, aiohttp.ClientError) as e:
                 results.append({"t": start, "turn": turn, "status": -1, "error": repr(e)})
                 return
             results.append({"t": start, "turn": turn, "status": r.status,
                             "ttft_s": r.ttft_s, "prompt": r.prompt_tokens,
                             "cached": r.cached_tokens, "replica": r.replica,
-                            "moved": turn > 0 and r.replica != previous})
+                            "moved": turn > 0 and r.replica != previous,
+                            # Whole blocks of its own history; one token is always computed.
+                            "oracle": min(history, r.prompt_tokens - 1) // block * block})
             previous = r.replica
+            history = r.prompt_tokens + r.completion_tokens
             if r.status != 200:
                 return
             messages += [{"role": "assistant", "content": r.output_text},
@@ -252,6 +277,9 @@ def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -
         "later_uncached_tokens": sum(r["prompt"] - r["cached"] for r in later),
         "later_cached_share": _r3(sum(r["cached"] for r in later)
                                   / max(1, sum(r["prompt"] for r in later))),
+        # Cached over what the conversation's own history offered, in whole blocks.
+        "later_hit_vs_history": _r3(sum(r["cached"] for r in later)
+                                    / max(1, sum(r["oracle"] for r in later))),
         # Later turns on another replica than their previous turn's (its engine left, or
         # the router balanced): what warming (router.warm_engines) prefills ahead.
         "moved_turns": len(moved := [r for r in later if r["moved"]]),
@@ -289,6 +317,18 @@ def plot(runs: list[dict], a: argparse.Namespace) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--policies", default="ongoing:16,ongoing:2,ttft:1.5")
+    ap.add_argument("--config", default=str(ROOT / "deployments" / "local.yaml"),
+                    help="the Serve config whose first application runs (its engine "
+                         "deployment autoscaled by each policy)")
+    ap.add_argument("--real-engines", action="store_true",
+                    help="the config's own engines (vLLM) instead of simulated ones")
+    ap.add_argument("--model", help="model.source over the config's")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a dotted override of the application's args, the value read as "
+                         "YAML, e.g. engine.max_num_seqs=16 (repeatable)")
+    ap.add_argument("--num-gpus", type=int,
+                    help="GPUs Ray is told the node has (more than it has: engines share "
+                         "GPU 0, with RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES set)")
     ap.add_argument("--engines", default="1,3", help="min,max engine replicas")
     ap.add_argument("--quiet", type=int, default=6)
     ap.add_argument("--peak", type=int, default=24)
@@ -306,7 +346,15 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8000)
     ap.add_argument("--out", default="bench/results/autoscale_ramp.json")
     ap.add_argument("--plot")
+    ap.add_argument("--replot", metavar="JSON[,JSON...]",
+                    help="only plot earlier --out files' runs (the first file's settings) to "
+                         "--plot; runs nothing")
     a = ap.parse_args()
+    if a.replot:
+        saved = [json.loads(Path(f).read_text()) for f in a.replot.split(",")]
+        plot([run for s in saved for run in s["runs"]],
+             argparse.Namespace(**{**saved[0]["args"], "plot": a.plot}))
+        return
     policies = a.policies.split(",")
     for p in policies:  # a typo fails before anything starts
         autoscaling(p, 1, 1, a.ttft_target_s)
@@ -318,10 +366,14 @@ def main() -> None:
 
     runs: list[dict] = []
     lo = int(a.engines.split(",")[0])
-    url, startup = start_local_config(serve_config(a, policies[0]))
+    first = serve_config(a, policies[0])
+    args = first["applications"][0]["args"]
+    model, block = args["model"]["served_name"], args["attention"]["block_size"]
+    url, startup = start_local_config(first, num_gpus=a.num_gpus)
     from ray import serve  # after the start: it sets Serve's environment first
 
-    print(f"simulated fleet serving in {startup:.0f}s", flush=True)
+    kind = "real" if a.real_engines else "simulated"
+    print(f"{kind} fleet serving in {startup:.0f}s", flush=True)
     try:
         for run in range(1, a.runs + 1):
             k = (run - 1) % len(policies)  # each policy in each place of the order
@@ -336,7 +388,7 @@ def main() -> None:
                            == lo and len(h["replicas_up"]) == lo):
                     assert time.time() < deadline, f"the fleet never settled at {lo}: {h}"
                     time.sleep(1)
-                results, health = asyncio.run(ramp(url, a, seed=run))
+                results, health = asyncio.run(ramp(url, a, run, model, block))
                 summary = summarize(results, health, a)
                 runs.append({"policy": policy, "run": run, "summary": summary})
                 print(json.dumps({"policy": policy, "run": run,

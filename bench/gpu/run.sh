@@ -11,12 +11,14 @@
 #                                     # vs vLLM's internal DP balancer (bench/gpu/dp_ranks.py)
 #   bash bench/gpu/run.sh capacity    # the router tier against simulated engines, on the
 #                                     # host's cores (bench/router_capacity.py; no GPU used)
+#   bash bench/gpu/run.sh ramp        # engines autoscaled 1..2 on a load ramp, one policy per
+#                                     # call (bench/autoscale_ramp.py --real-engines)
 #
 # Results land in $OUT (the device tool copies them back). Sources: rayattn from /tmp/snap when
 # a snapshot was carried there (so a tree edited while the run goes on cannot change it
 # between calls), else from this checkout.
 set -uo pipefail
-step=${1:?usage: run.sh install|routing|placement|backends|dp-ranks|capacity|cold-start [args...]}
+step=${1:?usage: run.sh install|routing|placement|backends|dp-ranks|capacity|cold-start|ramp [args...]}
 shift
 W=/tmp/rayattn-gpu
 OUT=${OUT:-$W/out}
@@ -100,6 +102,19 @@ capacity)
   timeout 585 python3 "$TREE/bench/router_capacity.py" --model $W/llama-0.85b \
     --out "$OUT/router_capacity.json" "$@" 2>&1 \
     | tee "$OUT/capacity.log" | grep -E "^\{|serving in|Error|Traceback" | tail -60
+  ;;
+ramp)
+  # h200.yaml's engine, 1..2 replicas: one per GPU, or both on GPU 0 where the node has one
+  # (Ray told of two GPUs, neither engine's CUDA_VISIBLE_DEVICES narrowed, 0.3 of it each).
+  # Plot here afterwards: bench/autoscale_ramp.py --replot ramp.json --plot docs/img/….png
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NG - 1)))
+  one=()
+  [ "$NG" -ge 2 ] || one=(--num-gpus 2 --set engine.gpu_memory_utilization=0.3
+                          --set 'engine.env={RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: "1"}')
+  timeout 585 python3 "$TREE/bench/autoscale_ramp.py" --config deployments/h200.yaml \
+    --real-engines --model $W/llama-0.85b --engines 1,2 "${one[@]}" \
+    --out "$OUT/ramp.json" "$@" 2>&1 \
+    | tee "$OUT/ramp.log" | grep -E "^\{|serving in|Error|Traceback" | tail -20
   ;;
 *) echo "unknown step $step"; exit 2 ;;
 esac

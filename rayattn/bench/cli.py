@@ -79,10 +79,10 @@ def start_local(port: int, config: str = "deployments/local.yaml") -> tuple[str,
     return start_local_config(serve_config)
 
 
-def start_local_config(serve_config: dict) -> tuple[str, float]:
+def start_local_config(serve_config: dict, num_gpus: int | None = None) -> tuple[str, float]:
     """Ray and Serve in this process, serving a Serve config's first application on its
     http_options.port once every engine is up; returns its URL and the deployment's start-up
-    time (s)."""
+    time (s). `num_gpus`: what Ray is told the node has (None: what it detects)."""
     from rayattn import cluster_env
 
     # Before Ray (and Serve's constants) are imported here.
@@ -95,7 +95,7 @@ def start_local_config(serve_config: dict) -> tuple[str, float]:
     for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
         os.environ.setdefault(k, "1")
     port = serve_config["http_options"]["port"]
-    ray.init(address="local", include_dashboard=False)
+    ray.init(address="local", include_dashboard=False, num_gpus=num_gpus)
     serve.start(http_options={"host": "127.0.0.1", "port": port})
     t0 = time.time()
     deploy_config(serve_config)
