@@ -107,7 +107,8 @@ ramp)
   # h200.yaml's engine, 1..2 replicas: one per GPU, or both on GPU 0 where the node has one
   # (Ray told of two GPUs, neither engine's CUDA_VISIBLE_DEVICES narrowed, 0.3 of it each).
   # Plot here afterwards: bench/autoscale_ramp.py --replot ramp.json --plot docs/img/….png
-  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NG - 1)))
+  # Ray refuses more GPUs than CUDA_VISIBLE_DEVICES names: 0,1 on one GPU, as routing does.
+  export CUDA_VISIBLE_DEVICES=$(seq -s, 0 $((NG >= 2 ? NG - 1 : 1)))
   one=()
   [ "$NG" -ge 2 ] || one=(--num-gpus 2 --set engine.gpu_memory_utilization=0.3
                           --set 'engine.env={RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: "1"}')
