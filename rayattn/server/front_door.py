@@ -14,6 +14,7 @@ KubeRay pods), never into the application's config. An explicit
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
 import shutil
@@ -79,6 +80,9 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         # 0700; short, because HAProxy takes socket paths of at most 97 characters and Ray
         # adds a 56-character node id.
         own = tempfile.mkdtemp(prefix="rah-", dir="/tmp" if os.path.isdir("/tmp") else None)
+        # The cluster this process starts ends with it (a test session, a bench, the
+        # driver); `rayattn serve` execs `serve run`, so one directory per start stays.
+        atexit.register(shutil.rmtree, own, True)
         for k, name in PRIVATE_PATHS.items():
             environ.setdefault(k, os.path.join(own, name) if name else own)
 

