@@ -99,6 +99,14 @@ PANELS: list[Panel] = [
           ((f"max by (model) (ray_rayattn_router_replicas{{{SEL}}})", "Serve {{model}}"),
            (f"min by (model) (ray_rayattn_router_replicas_up{{{SEL}}})", "up {{model}}")),
           unit="short"),
+    # Warming has data only where engines came or went: `or vector(0)` keeps a quiet
+    # fleet's panel (and the test that evaluates every expression) at zero, not empty.
+    Panel("Engine warming: tokens/s prefilled on joining engines (join) and for the "
+          "conversations of leaving ones (move)",
+          ((f"sum by (why) (rate(ray_rayattn_router_warm_tokens_total{{{SEL}}}[5m]))",
+            "{{why}}"),
+           (f"sum(rate(ray_rayattn_router_warm_tokens_total{{{SEL}}}[5m])) or vector(0)",
+            "all")), unit="short"),
     Panel("KV cache usage (what engine autoscaling's kv_usage target reads)",
           ((f"avg by (model_name) (ray_vllm_kv_cache_usage_perc{{{VSEL}}})",
             "mean {{model_name}}"),
