@@ -6,18 +6,22 @@ replica. When the replica exits gracefully, AsyncLLM.shutdown() ends them; but `
 holding device memory, so the next replica on that GPU cannot start. Ray's own child cleanup
 needs a live raylet, and vLLM's engine core does not watch its parent.
 
-So every replica starts one small watcher in its own session (signals to the replica's
-process group or Ray's worker cleanup do not reach it). It snapshots the replica's
+So every replica starts one small watcher in its own session, through a launcher that exits
+at once: the watcher is no child of the replica, so neither signals to the replica's process
+group nor Ray's worker cleanup (which ends a worker's children when it exits, even on a
+SIGTERM) reach it. It snapshots the replica's
 descendants every second while the replica lives, and when the replica's PID is gone it
 terminates the last snapshot (checked by creation time, so a reused PID is never hit) and
-their descendants, then exits.
+their descendants, removes the replica's run directory (vLLM's IPC sockets, the KV-event
+sockets: files a killed process cannot remove itself), then exits.
 
-    python -m rayattn.engine.reaper <replica-pid>
+    python -m rayattn.engine.reaper <replica-pid> [<run-dir>]
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -28,12 +32,22 @@ POLL_S = 1.0
 GRACE_S = 5.0
 
 
-def start_for_current_process() -> subprocess.Popen:
-    """Start a watcher for this process (call from the replica before starting the engine)."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "rayattn.engine.reaper", str(os.getpid())],
-        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        start_new_session=True, close_fds=True)
+def start_for_current_process(run_dir: str | None = None) -> None:
+    """Start a watcher for this process (call from the replica before starting the engine);
+    `run_dir` goes with the processes. Returns once the launcher has exited: the watcher is
+    then a child of PID 1 (or the nearest subreaper), not of this process."""
+    watcher = [sys.executable, "-m", "rayattn.engine.reaper", str(os.getpid()),
+               *([run_dir] if run_dir else [])]
+    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
+             "stderr": subprocess.DEVNULL, "close_fds": True}
+    # -S: the launcher needs nothing beyond the standard library, so no site-packages scan.
+    subprocess.run([sys.executable, "-S", "-c", LAUNCH, *watcher], check=True, timeout=30,
+                   **quiet)
+
+
+LAUNCH = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, "
+          "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
+"""The launcher's program: the watcher in a session of its own, then exit."""
 
 
 def descendants(pid: int, exclude: set[int] = frozenset()) -> dict[int, float]:
@@ -96,12 +110,14 @@ def _ppid(p: psutil.Process) -> int | None:
         return None
 
 
-def watch(pid: int) -> None:
+def watch(pid: int, run_dir: str | None = None) -> None:
     me = os.getpid()
     try:
         replica = psutil.Process(pid)
         created = replica.create_time()
     except psutil.Error:
+        if run_dir:
+            shutil.rmtree(run_dir, ignore_errors=True)
         return
     known: dict[int, float] = {}
 
@@ -118,7 +134,9 @@ def watch(pid: int) -> None:
         known = {p: c for p, c in known.items() if psutil.pid_exists(p)}
         time.sleep(POLL_S)
     end_processes(known)
+    if run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
 
 
 if __name__ == "__main__":
-    watch(int(sys.argv[1]))
+    watch(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)

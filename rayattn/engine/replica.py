@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import AsyncIterator, Coroutine
 from typing import Any
@@ -59,9 +61,16 @@ class EngineReplica:
                 log.warning(warning)
         # vLLM-version/install fixes (flashinfer sampler, TCPStore port window)
         compat.apply_engine_env(os.environ, cfg.platform.kind, plan.engine_kwargs)
+        # The engine's run-time files, vLLM's IPC sockets between this process and its engine
+        # core and the KV-event sockets, in one directory of this user's (0700) instead of
+        # the system's temporary one, where every engine start left three sockets and a
+        # directory that a killed process never removes. An operator's own path stays.
+        self.run_dir = tempfile.mkdtemp(prefix="rayattn-engine-")
+        os.environ.setdefault("VLLM_RPC_BASE_PATH", self.run_dir)
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
-        # watcher in its own session ends them when this process is gone.
-        self._reaper = reaper.start_for_current_process()
+        # watcher in its own session ends them when this process is gone, then removes the
+        # run directory.
+        reaper.start_for_current_process(self.run_dir)
         self.replica_id, self.rank = serve_identity()
         # The first of the start's milestones in the log (then vLLM's own, then "ready"):
         # what came before is Ray's worker start, Ray's and rayattn's imports, the plan and
@@ -84,14 +93,14 @@ class EngineReplica:
         self.load_signals = LoadSignals()
         kwargs, loggers = startup.observed_kwargs(plan, self.metrics, self.load_signals)
         self.dp_ranks = int(kwargs.get("data_parallel_size", 1))
-        self.kv_mirrors = startup.kv_event_mirrors(plan, kwargs, self.dp_ranks)
+        self.kv_mirrors = startup.kv_event_mirrors(plan, kwargs, self.dp_ranks,
+                                                   self.run_dir)
         self.engine, startup_s = startup.start_engine(kwargs, loggers)
         self._facts = startup.engine_facts(self.engine, self.replica_id, plan, startup_s)
         self.inflight = InflightCounts()
         self.openai = LazyOpenAILayer(self._build_openai)
         self._direct: DirectServer | None = None
-        self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid(),
-                                                               exclude={self._reaper.pid}))
+        self._facts["engine_pids"] = sorted(reaper.descendants(os.getpid()))
         log.info("engine %s ready: %s", self.replica_id, self._facts)
 
     def _pinned(self, target: str | None) -> None:
@@ -181,6 +190,11 @@ class EngineReplica:
                 engine.shutdown()
             except Exception:
                 log.exception("engine shutdown failed")
+        # Here, not only in the watcher: on a graceful exit Ray's worker ends its children,
+        # the watcher with them. A killed replica's directory is the watcher's.
+        run_dir = getattr(self, "run_dir", None)
+        if run_dir is not None:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     async def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's autoscaler asks every few seconds (rayattn/engine/scaling_policy.py reads

@@ -34,16 +34,18 @@ def observed_kwargs(plan: Plan, metrics: EngineMetrics | None, signals: LoadSign
     return kwargs, loggers
 
 
-def kv_event_mirrors(plan: Plan, kwargs: dict[str, Any], dp_ranks: int) -> list[KVMirror]:
+def kv_event_mirrors(plan: Plan, kwargs: dict[str, Any], dp_ranks: int,
+                     run_dir: str | None = None) -> list[KVMirror]:
     """One mirror per DP rank (each rank's scheduler publishes its own cache's events),
     subscribed before the engine publishes anything: routers resync from it. Sets the
-    engine's KV events configuration in `kwargs`; none where routers do not follow events."""
+    engine's KV events configuration in `kwargs`; none where routers do not follow events.
+    The sockets' directory lies in `run_dir` (the replica's) where given."""
     engine = plan.config.engine
     if not (engine.kv_events and engine.enable_prefix_caching):
         return []
     # vLLM's sockets carry every tenant's token ids: IPC, in a private directory; routers
     # read the mirror's authenticated relay instead (kv_mirror.py).
-    ipc_dir, pub, replay = private_ipc_endpoints()
+    ipc_dir, pub, replay = private_ipc_endpoints(run_dir)
     kwargs["kv_events_config"] = KVEventsConfig(
         enable_kv_cache_events=True, publisher="zmq", endpoint=pub,
         replay_endpoint=replay, topic=TOPIC)

