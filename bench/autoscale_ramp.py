@@ -173,7 +173,8 @@ async def ramp(url: str, a: argparse.Namespace, seed: int, model: str, block: in
                             "ttft_s": r.ttft_s, "prompt": r.prompt_tokens,
                             "cached": r.cached_tokens, "replica": r.replica,
                             "moved": turn > 0 and r.replica != previous,
-                            # Whole blocks of its own history; one token is always computed.
+                            # Whole blocks of its own history, one token always computed:
+                            # an upper bound (the last output token's KV is never cached).
                             "oracle": min(history, r.prompt_tokens - 1) // block * block})
             previous = r.replica
             history = r.prompt_tokens + r.completion_tokens
@@ -351,6 +352,8 @@ def main() -> None:
                          "--plot; runs nothing")
     a = ap.parse_args()
     if a.replot:
+        if not a.plot:
+            ap.error("--replot needs --plot")
         saved = [json.loads(Path(f).read_text()) for f in a.replot.split(",")]
         plot([run for s in saved for run in s["runs"]],
              argparse.Namespace(**{**saved[0]["args"], "plot": a.plot}))
@@ -363,12 +366,14 @@ def main() -> None:
 
     from rayattn.app import deploy_config, wait_running
     from rayattn.bench.cli import start_local_config, stop_local, wait_healthy
+    from rayattn.config.loader import rayattn_apps
 
     runs: list[dict] = []
     lo = int(a.engines.split(",")[0])
     first = serve_config(a, policies[0])
-    args = first["applications"][0]["args"]
-    model, block = args["model"]["served_name"], args["attention"]["block_size"]
+    [(_, cfg)] = rayattn_apps(first)
+    # Without a block size in the config (vLLM's choice) the oracle counts tokens.
+    model, block = cfg.model.name, cfg.attention.block_size or 1
     url, startup = start_local_config(first, num_gpus=a.num_gpus)
     from ray import serve  # after the start: it sets Serve's environment first
 

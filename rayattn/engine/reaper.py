@@ -32,22 +32,25 @@ POLL_S = 1.0
 GRACE_S = 5.0
 
 
+LAUNCH = ("import subprocess, sys; w = subprocess.Popen(sys.argv[1:], start_new_session=True, "
+          "stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); "
+          "w.stdout.readline()")
+"""The launcher's program: the watcher in a session of its own; exit once it has taken its
+first snapshot (its `ready` line) or ended."""
+
+
 def start_for_current_process(run_dir: str | None = None) -> None:
-    """Start a watcher for this process (call from the replica before starting the engine);
-    `run_dir` goes with the processes. Returns once the launcher has exited: the watcher is
-    then a child of PID 1 (or the nearest subreaper), not of this process."""
+    """Start a watcher for this process and return once it has seen this process's children
+    (call from the replica before starting the engine); `run_dir` goes with the processes.
+    The watcher is then a child of PID 1 (or the nearest subreaper), not of this process."""
     watcher = [sys.executable, "-m", "rayattn.engine.reaper", str(os.getpid()),
                *([run_dir] if run_dir else [])]
-    quiet = {"stdin": subprocess.DEVNULL, "stdout": subprocess.DEVNULL,
-             "stderr": subprocess.DEVNULL, "close_fds": True}
     # -S: the launcher needs nothing beyond the standard library, so no site-packages scan.
-    subprocess.run([sys.executable, "-S", "-c", LAUNCH, *watcher], check=True, timeout=30,
-                   **quiet)
-
-
-LAUNCH = ("import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, "
-          "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)")
-"""The launcher's program: the watcher in a session of its own, then exit."""
+    out = subprocess.run([sys.executable, "-S", "-c", LAUNCH, *watcher], timeout=60,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"the engine's watcher did not start: {out.stderr[-2000:]}")
 
 
 def descendants(pid: int, exclude: set[int] = frozenset()) -> dict[int, float]:
@@ -110,6 +113,19 @@ def _ppid(p: psutil.Process) -> int | None:
         return None
 
 
+def _ready() -> None:
+    """Tell the launcher the first snapshot is taken; nothing is written after it (the
+    launcher is gone then)."""
+    try:
+        sys.stdout.write("ready\n")
+        sys.stdout.flush()
+    except OSError:
+        pass
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def watch(pid: int, run_dir: str | None = None) -> None:
     me = os.getpid()
     try:
@@ -128,10 +144,14 @@ def watch(pid: int, run_dir: str | None = None) -> None:
         except psutil.Error:
             return False
 
+    ready = True
     while alive():
         known.update(descendants(pid, exclude={me}))
         # Forget exited ones so the set does not grow over a long-lived replica.
         known = {p: c for p, c in known.items() if psutil.pid_exists(p)}
+        if ready:
+            _ready()
+            ready = False
         time.sleep(POLL_S)
     end_processes(known)
     if run_dir:

@@ -21,6 +21,7 @@ from typing import Any
 from rayattn import compat, logs
 from rayattn.config.loader import parse_args
 from rayattn.config.plan import build_plan, frontend_kwargs
+from rayattn.config.schema import RayAttnConfig
 from rayattn.engine import cpu_priority, reaper, wire
 from rayattn.engine.direct_server import DirectServer
 from rayattn.engine.inflight import InflightCounts
@@ -66,7 +67,8 @@ class EngineReplica:
         # the system's temporary one, where every engine start left three sockets and a
         # directory that a killed process never removes. An operator's own path stays.
         self.run_dir = tempfile.mkdtemp(prefix="rayattn-engine-")
-        os.environ.setdefault("VLLM_RPC_BASE_PATH", self.run_dir)
+        if "VLLM_RPC_BASE_PATH" not in cfg.engine.env and rpc_path_is_local(cfg):
+            os.environ["VLLM_RPC_BASE_PATH"] = self.run_dir
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
         # watcher in its own session ends them when this process is gone, then removes the
         # run directory.
@@ -190,8 +192,7 @@ class EngineReplica:
                 engine.shutdown()
             except Exception:
                 log.exception("engine shutdown failed")
-        # Here, not only in the watcher: on a graceful exit Ray's worker ends its children,
-        # the watcher with them. A killed replica's directory is the watcher's.
+        # At once, not at the watcher's next look at this process.
         run_dir = getattr(self, "run_dir", None)
         if run_dir is not None:
             shutil.rmtree(run_dir, ignore_errors=True)
@@ -285,6 +286,13 @@ DRAIN_MARGIN_S = 3.0
 """Of serve.graceful_shutdown_timeout_s, what the direct calls' drain leaves to Serve: its
 own drain loop (graceful_shutdown_wait_loop_s, 2 s) ran first, and the engine must stop
 before the controller kills the replica."""
+
+
+def rpc_path_is_local(cfg: RayAttnConfig) -> bool:
+    """Whether every process vLLM gives the engine's IPC path runs on this node: vLLM's Ray
+    executor (several devices per rank) copies VLLM_* variables to its workers, which a
+    placement other than STRICT_PACK may put on another node, where this directory is not."""
+    return cfg.parallelism.devices_per_rank == 1 or cfg.serve.placement_strategy == "STRICT_PACK"
 
 
 def _loop_running() -> bool:

@@ -29,6 +29,10 @@ class Panel:
     host_tier: bool = False
     """Has data only where engines run a host-memory KV tier (engine.kv_offload; vLLM's CPU
     build has none): the CPU test skips it, the GPU bench checks its series."""
+    fleet_change: bool = False
+    """Has data only once engines joined or left a router that lives on (warming): the
+    live test skips it; tests/unit/metrics/test_dashboard.py checks the router declares
+    the series it reads."""
 
 
 def _q(h: str, q: float, by: str, sel: str = RSEL, window: str = "1m") -> str:
@@ -99,14 +103,13 @@ PANELS: list[Panel] = [
           ((f"max by (model) (ray_rayattn_router_replicas{{{SEL}}})", "Serve {{model}}"),
            (f"min by (model) (ray_rayattn_router_replicas_up{{{SEL}}})", "up {{model}}")),
           unit="short"),
-    # Warming has data only where engines came or went: `or vector(0)` keeps a quiet
-    # fleet's panel (and the test that evaluates every expression) at zero, not empty.
+    # `or vector(0)`: a fleet that never changed draws zero, not an empty panel.
     Panel("Engine warming: tokens/s prefilled on joining engines (join) and for the "
           "conversations of leaving ones (move)",
           ((f"sum by (why) (rate(ray_rayattn_router_warm_tokens_total{{{SEL}}}[5m]))",
             "{{why}}"),
            (f"sum(rate(ray_rayattn_router_warm_tokens_total{{{SEL}}}[5m])) or vector(0)",
-            "all")), unit="short"),
+            "all")), unit="short", fleet_change=True),
     Panel("KV cache usage (what engine autoscaling's kv_usage target reads)",
           ((f"avg by (model_name) (ray_vllm_kv_cache_usage_perc{{{VSEL}}})",
             "mean {{model_name}}"),
@@ -221,10 +224,12 @@ def alert_rules() -> dict:
          "annotations": {"summary": a.summary, "runbook": a.action}} for a in ALERTS]}]}
 
 
-def all_queries(host_tier: bool = True) -> list[str]:
+def all_queries(host_tier: bool = True, fleet_change: bool = True) -> list[str]:
     """Every dashboard expression plus every alert quantity (for tests); without the
-    host-tier panels' when `host_tier` is False."""
-    return [e for p in PANELS if host_tier or not p.host_tier for e, _ in p.exprs] + \
+    host-tier panels' when `host_tier` is False, without the fleet-change panels' when
+    `fleet_change` is False."""
+    return [e for p in PANELS if (host_tier or not p.host_tier)
+            and (fleet_change or not p.fleet_change) for e, _ in p.exprs] + \
         [a.quantity for a in ALERTS]
 
 

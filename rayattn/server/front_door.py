@@ -82,9 +82,16 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         own = tempfile.mkdtemp(prefix="rah-", dir="/tmp" if os.path.isdir("/tmp") else None)
         # The cluster this process starts ends with it (a test session, a bench, the
         # driver); `rayattn serve` execs `serve run`, so one directory per start stays.
-        atexit.register(shutil.rmtree, own, True)
+        atexit.register(_remove_own, own, os.getpid())
         for k, name in PRIVATE_PATHS.items():
             environ.setdefault(k, os.path.join(own, name) if name else own)
+
+
+def _remove_own(path: str, owner: int) -> None:
+    """At exit, by the process that made `path` only (a forked child that exits normally
+    runs its parent's exit handlers too)."""
+    if os.getpid() == owner:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def report(session_header: str) -> dict[str, str | None]:

@@ -161,7 +161,7 @@ def _files_since(t0: float) -> list[str]:
             continue
         if st.st_mtime < t0 - 1:
             continue
-        if p.name.startswith(("rayattn-engine-", "rayattn-kv-")) or (
+        if p.name.startswith("rayattn-engine-") or (
                 stat.S_ISSOCK(st.st_mode) and UUID.fullmatch(p.name)):
             out.append(p.name)
     return out

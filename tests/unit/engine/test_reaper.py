@@ -12,17 +12,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rayattn.engine import reaper
 from tests.conftest import ROOT
 
-# A stand-in replica: the watcher, an engine core of its own, then nothing until a signal.
-# On SIGTERM it ends its children and exits, as a Ray worker does on its way out.
+# A stand-in replica: an engine core of its own, the watcher (which has seen the engine once
+# it is started), then nothing until a signal. On SIGTERM it ends its children and exits,
+# as a Ray worker does on its way out.
 REPLICA = """
 import os, signal, subprocess, sys, time
 import psutil
 from rayattn.engine import reaper
-reaper.start_for_current_process(sys.argv[1])
 engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+reaper.start_for_current_process(sys.argv[1])
 print(engine.pid, flush=True)
 def leave(*_):
     for child in psutil.Process().children():
@@ -73,8 +73,6 @@ def test_a_replica_gone_leaves_neither_its_engine_nor_its_run_directory(tmp_path
         # Not the replica's child: a worker that ends its children on the way out
         # (SIGTERM here) does not end it.
         assert watcher.pid not in {c.pid for c in psutil.Process(replica.pid).children()}
-        # It snapshots the replica's children every POLL_S: let it see the engine.
-        time.sleep(reaper.POLL_S * 2.5)
         assert run_dir.exists()  # the replica lives: nothing is touched
         replica.send_signal(how)
         replica.wait(timeout=30)

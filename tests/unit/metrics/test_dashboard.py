@@ -43,3 +43,18 @@ def test_host_tier_panels_read_metrics_vllm_defines():
     ours = {n for n in read if n.startswith("ray_rayattn_")}
     assert "ray_rayattn_router_predicted_reload_tokens_total" in ours
     assert ours <= declared, ours - declared
+
+
+def test_fleet_change_panels_read_series_the_router_declares():
+    """Warming counts only once engines joined or left a router that lives on, which the
+    shared test app's router (replaced by the rolling update) may not have seen: the names
+    are checked against rayattn's declarations instead of a live Prometheus."""
+    from rayattn.metrics import router_metrics
+
+    panels = [p for p in PANELS if p.fleet_change]
+    assert panels
+    read = metric_names([e for p in panels for e, _ in p.exprs])
+    declared = {"ray_" + n for n in
+                re.findall(r'"(rayattn_[a-z_]+)"', inspect.getsource(router_metrics))}
+    assert "ray_rayattn_router_warm_tokens_total" in read
+    assert read <= declared, read - declared
