@@ -85,13 +85,14 @@ def subscriber(ctx: Any, endpoint: str, server_key: bytes | None = None,
     return sock
 
 
-def private_ipc_endpoints(parent: str | None = None) -> tuple[str, str, str]:
-    """(directory, publisher, replay) for vLLM's event sockets: IPC files in a fresh
-    directory (under `parent`, else the system's temporary one) that only this process's
-    user may enter (mkdtemp makes it 0700). The names let vLLM derive one pair per DP rank
-    (vllm_kv_events.dp_rank_endpoint)."""
-    d = tempfile.mkdtemp(prefix="rayattn-kv-", dir=parent)
-    return d, f"ipc://{d}/{IPC_EVENT_MARK}-pub", f"ipc://{d}/{IPC_EVENT_MARK}-replay"
+def private_ipc_endpoints(parent: str | None = None) -> tuple[str | None, str, str]:
+    """(directory to remove when done, publisher, replay) for vLLM's event sockets: IPC files
+    in `parent` (a private directory its maker removes: None is returned for it), else in a
+    fresh directory that only this process's user may enter (mkdtemp makes it 0700). The
+    names let vLLM derive one pair per DP rank (vllm_kv_events.dp_rank_endpoint)."""
+    d = parent or tempfile.mkdtemp(prefix="rayattn-kv-")
+    return (None if parent else d), f"ipc://{d}/{IPC_EVENT_MARK}-pub", \
+        f"ipc://{d}/{IPC_EVENT_MARK}-replay"
 
 
 def node_ip() -> str:

@@ -32,11 +32,17 @@ POLL_S = 1.0
 GRACE_S = 5.0
 
 
-LAUNCH = ("import subprocess, sys; w = subprocess.Popen(sys.argv[1:], start_new_session=True, "
-          "stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL); "
-          "w.stdout.readline()")
+LAUNCH = """
+import subprocess, sys
+w = subprocess.Popen(sys.argv[1:], start_new_session=True, stdin=subprocess.DEVNULL,
+                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+first = w.stdout.readline()
+if first != b"ready\\n":
+    sys.stderr.write((first + w.stdout.read()).decode(errors="replace"))
+    sys.exit(1)
+"""
 """The launcher's program: the watcher in a session of its own; exit once it has taken its
-first snapshot (its `ready` line) or ended."""
+first snapshot (its `ready` line), or fail with what it wrote if it ended before."""
 
 
 def start_for_current_process(run_dir: str | None = None) -> None:
@@ -46,9 +52,12 @@ def start_for_current_process(run_dir: str | None = None) -> None:
     watcher = [sys.executable, "-m", "rayattn.engine.reaper", str(os.getpid()),
                *([run_dir] if run_dir else [])]
     # -S: the launcher needs nothing beyond the standard library, so no site-packages scan.
-    out = subprocess.run([sys.executable, "-S", "-c", LAUNCH, *watcher], timeout=60,
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
+    try:
+        out = subprocess.run([sys.executable, "-S", "-c", LAUNCH, *watcher], timeout=60,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError("the engine's watcher took no first look within 60 s") from e
     if out.returncode != 0:
         raise RuntimeError(f"the engine's watcher did not start: {out.stderr[-2000:]}")
 
@@ -122,7 +131,8 @@ def _ready() -> None:
     except OSError:
         pass
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
+    os.dup2(devnull, 1)
+    os.dup2(devnull, 2)  # its errors went to the launcher until now
     os.close(devnull)
 
 

@@ -48,6 +48,10 @@ from rayattn.routing.kv_events import Snapshot
 
 log = logging.getLogger("rayattn.engine")
 
+OPERATOR_RPC_PATH = os.environ.get("VLLM_RPC_BASE_PATH")
+"""vLLM's IPC directory as the process started (the node's or runtime_env's), read before
+any replica here set its own."""
+
 
 class EngineReplica:
     def __init__(self, args: dict[str, Any], metrics_enabled: bool = True) -> None:
@@ -67,7 +71,8 @@ class EngineReplica:
         # the system's temporary one, where every engine start left three sockets and a
         # directory that a killed process never removes. An operator's own path stays.
         self.run_dir = tempfile.mkdtemp(prefix="rayattn-engine-")
-        if "VLLM_RPC_BASE_PATH" not in cfg.engine.env and rpc_path_is_local(cfg):
+        if OPERATOR_RPC_PATH is None and "VLLM_RPC_BASE_PATH" not in cfg.engine.env \
+                and rpc_path_is_local(cfg):
             os.environ["VLLM_RPC_BASE_PATH"] = self.run_dir
         # Engine processes must not outlive this replica (ray stop --force, SIGKILL): a
         # watcher in its own session ends them when this process is gone, then removes the

@@ -82,3 +82,13 @@ def test_a_replica_gone_leaves_neither_its_engine_nor_its_run_directory(tmp_path
     finally:
         if replica.poll() is None:
             replica.kill()
+
+
+def test_a_watcher_that_cannot_start_is_reported_not_silent():
+    from rayattn.engine import reaper
+
+    out = subprocess.run([sys.executable, "-S", "-c", reaper.LAUNCH, sys.executable, "-c",
+                          "import no_such_module_here"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1
+    assert "no_such_module_here" in out.stderr

