@@ -85,7 +85,7 @@ def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
     engines simulated unless `--real-engines`, then `--model` and `--set` over its args."""
     import yaml
 
-    from bench.gpu.common import set_dotted
+    from bench.gpu.common import set_setting
 
     cfg = yaml.safe_load(Path(a.config).read_text())
     cfg["http_options"]["port"] = a.port
@@ -101,9 +101,8 @@ def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
             "max_tokens": a.max_tokens}
     if a.model:
         args["model"]["source"] = a.model
-    for kv in a.set:
-        key, _, value = kv.partition("=")
-        set_dotted(args, key, yaml.safe_load(value))
+    for setting in a.set:
+        set_setting(args, setting)
     lo, hi = (int(x) for x in a.engines.split(","))
     deployments = app.setdefault("deployments", [])
     for name in ("engine", "router"):

@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # After what PYTHONPATH names: bench/gpu/run.sh serves a snapshot of rayattn from there.
 sys.path.append(str(ROOT))
 
-from bench.gpu.common import set_dotted  # noqa: E402
+from bench.gpu.common import set_setting  # noqa: E402
 from bench.peers.vllm_router import end_group, serve_command  # noqa: E402
 from rayattn.config.plan import Plan  # noqa: E402
 
@@ -258,12 +258,6 @@ class Starts:
                 "phases": slowest(seen, self.engines), "exit": [p.returncode for p in procs]}
 
 
-def override(args: dict[str, Any], setting: str) -> None:
-    """`parallelism.data_parallel_size=1` (a YAML value) into an app's args."""
-    key, value = setting.split("=", 1)
-    set_dotted(args, key, yaml.safe_load(value))
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--config", default="deployments/local.yaml")
@@ -291,7 +285,7 @@ def main() -> int:
     if a.model:
         app["args"]["model"]["source"] = a.model
     for setting in a.set:
-        override(app["args"], setting)
+        set_setting(app["args"], setting)
     parsed = parse_args(app_args(app))
     plan = build_plan(parsed, prepare_model=True)
     logdir = Path(tempfile.mkdtemp(prefix="cold-start-"))
@@ -300,7 +294,7 @@ def main() -> int:
     variants: dict[str, Path] = {}
     for k, setting in enumerate(a.variant):
         changed = copy.deepcopy(cfg)
-        override(changed["applications"][0]["args"], setting)
+        set_setting(changed["applications"][0]["args"], setting)
         parse_args(app_args(changed["applications"][0]))  # refused before anything starts
         variants[f"rayattn@{setting}"] = logdir / f"variant{k}.yaml"
         variants[f"rayattn@{setting}"].write_text(yaml.safe_dump(changed))

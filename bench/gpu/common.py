@@ -67,6 +67,15 @@ def rayattn_args(config: str, model: str | None = None, **over: Any) -> dict:
     return args
 
 
+def set_setting(args: dict, setting: str) -> None:
+    """A command line's `parallelism.data_parallel_size=1` (the value read as YAML) into an
+    app's args."""
+    key, eq, value = setting.partition("=")
+    if not eq:
+        raise SystemExit(f"--set: {setting!r} is not KEY=VALUE")
+    set_dotted(args, key, yaml.safe_load(value))
+
+
 def set_dotted(args: dict, key: str, value: Any) -> None:
     """`parallelism.tensor_parallel_size` = 2 into an app's args."""
     *parents, leaf = key.split(".")

@@ -16,6 +16,14 @@ def _ray_counter(vllm_name: str) -> str:
     return "ray_" + re.sub(r"[^a-zA-Z0-9_]", "_", vllm_name) + "_total"
 
 
+def router_declared() -> set[str]:
+    """The series rayattn's router declares, as Ray exports them."""
+    from rayattn.metrics import router_metrics
+
+    return {"ray_" + n for n in
+            re.findall(r'"(rayattn_[a-z_]+)"', inspect.getsource(router_metrics))}
+
+
 def test_host_tier_panels_read_metrics_vllm_defines():
     from vllm.distributed.kv_transfer.kv_connector.v1.offloading.metrics import (
         get_connector_metric_definitions,
@@ -36,10 +44,7 @@ def test_host_tier_panels_read_metrics_vllm_defines():
             "ray_vllm_external_prefix_cache_hits_total"} <= vllm_read
     assert vllm_read <= counters, vllm_read - counters
     # the router's side of the same panel: series rayattn declares
-    from rayattn.metrics import router_metrics
-
-    declared = {"ray_" + n for n in
-                re.findall(r'"(rayattn_[a-z_]+)"', inspect.getsource(router_metrics))}
+    declared = router_declared()
     ours = {n for n in read if n.startswith("ray_rayattn_")}
     assert "ray_rayattn_router_predicted_reload_tokens_total" in ours
     assert ours <= declared, ours - declared
@@ -49,12 +54,8 @@ def test_fleet_change_panels_read_series_the_router_declares():
     """Warming counts only once engines joined or left a router that lives on, which the
     shared test app's router (replaced by the rolling update) may not have seen: the names
     are checked against rayattn's declarations instead of a live Prometheus."""
-    from rayattn.metrics import router_metrics
-
     panels = [p for p in PANELS if p.fleet_change]
     assert panels
     read = metric_names([e for p in panels for e, _ in p.exprs])
-    declared = {"ray_" + n for n in
-                re.findall(r'"(rayattn_[a-z_]+)"', inspect.getsource(router_metrics))}
     assert "ray_rayattn_router_warm_tokens_total" in read
-    assert read <= declared, read - declared
+    assert read <= router_declared(), read - router_declared()
