@@ -40,6 +40,7 @@ import json
 import random
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -299,11 +300,16 @@ def plot(runs: list[dict], a: argparse.Namespace) -> None:
     for run in runs:
         w = run["summary"]["windows"]
         label = f"{run['policy']} (run {run['run']})"
-        ax1.step([x["t"] for x in w], [x["engines"] for x in w], where="post", label=label)
+        # Serving (the router's view) solid, held (starting and stopping too) dotted: a
+        # replica stopped and started again within a window shows only in the first.
+        line, = ax1.step([x["t"] for x in w], [x["up"] for x in w], where="post",
+                         label=label)
+        ax1.step([x["t"] for x in w], [x["engines"] for x in w], where="post",
+                 linestyle=":", color=line.get_color())
         ax2.plot([x["t"] for x in w], [x["ttft_p90_s"] for x in w], marker=".",
                  label=label)
     ax2.axhline(a.ttft_target_s, color="grey", linestyle="--", label="TTFT target")
-    ax1.set_ylabel("engine replicas held")
+    ax1.set_ylabel("engines serving (held: dotted)")
     ax2.set_ylabel("TTFT p90 (s), by start")
     ax2.set_xlabel(f"s since the ramp began ({a.phases_s} s at {a.quiet}/{a.peak}/{a.quiet} "
                    "conversations)")
@@ -354,7 +360,12 @@ def main() -> None:
         if not a.plot:
             ap.error("--replot needs --plot")
         saved = [json.loads(Path(f).read_text()) for f in a.replot.split(",")]
-        plot([run for s in saved for run in s["runs"]],
+        runs, seen = [], Counter()
+        for run in (run for s in saved for run in s["runs"]):
+            # Calls of one run each all say run 1: number them in the order given.
+            seen[run["policy"]] += 1
+            runs.append({**run, "run": seen[run["policy"]]})
+        plot(runs,
              argparse.Namespace(**{**saved[0]["args"], "plot": a.plot}))
         return
     policies = a.policies.split(",")

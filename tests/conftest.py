@@ -147,10 +147,12 @@ def ray_cluster():
     assert not left, f"vLLM engine processes outlived ray.shutdown: {left}"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prometheus(ray_cluster, tmp_path_factory):
-    """A real Prometheus scraping Ray's metrics endpoint for the whole session (dashboard
-    queries over [1m] windows need history)."""
+    """A real Prometheus scraping Ray's metrics endpoint, started afresh for each stretch of
+    the metrics module's tests (the suite's order splits them): every scrape makes Ray's
+    metrics agent render all of the cluster's series, a tenth of a core at one a second,
+    which the rest of the suite's engines would otherwise share with it."""
     PROMETHEUS, PROMTOOL = shutil.which("prometheus"), shutil.which("promtool")
     assert PROMETHEUS and PROMTOOL, \
         "prometheus/promtool not on PATH: run ./scripts/install-prometheus.sh (make test does)"

@@ -520,7 +520,9 @@ class EngineAutoscaling(_Strict):
     over each engine's steps and over the engines; an engine without steps counts 0)."""
     hold_band: float = Field(0.6, gt=0, lt=1)
     """Where every signal is below this share of its target the fleet shrinks, to as many
-    engines as leave the most pressed one at this share; between it and the target it holds."""
+    engines as leave the most pressed one at this share, and no fewer than carry the load at
+    this share of the load per engine that last broke a latency target; between it and the
+    target it holds."""
 
     @model_validator(mode="before")
     @classmethod

@@ -9,8 +9,13 @@ latency (latency does not divide: an unloaded prefill takes as long on any engin
 queueing rises steeply near saturation), and not again until the latency shows the grown
 fleet. Below `hold_band` of every target it shrinks, by at most half per decision, to as many
 engines as keep the highest pressure at `hold_band`: for the signals that divide over the
-engines the next decision then does not grow it back (no flapping); a latency is not assumed
-to divide, and the half step and Serve's downscale delay keep it from bouncing. In between it
+engines the next decision then does not grow it back (no flapping). A latency does not
+divide: queueing makes it steep near saturation, so two engines well under a TTFT target can
+be one engine far over it. The policy therefore remembers the load per engine at which the
+fleet broke a latency target (requests in the engines' latency window; the highest such load
+of the last BREACH_MEMORY_S: a target also breaks while a backlog drains, at loads an engine
+carries) and never shrinks to fewer engines than carry the load now at `hold_band` of that.
+In between it
 holds the count Serve aims for (replicas still starting included). A latency counts only
 with MIN_SAMPLES behind it over the fleet, each engine's p90 weighted by its samples. Serve's
 controller runs it every tick and applies the bounds and the upscale/downscale delays around
@@ -40,15 +45,19 @@ LATENCY_GROWTH = 2.0
 MIN_SAMPLES = 10
 """Fewer latencies than this over the fleet's windows make no signal: one slow request is
 not a p90, and a fleet that grew must not lose its signal by spreading the same traffic."""
+BREACH_MEMORY_S = 1800.0
+"""How long a latency target's breach bounds a shrink (the workload, and with it what an
+engine carries, changes over a day)."""
 LATENCY_WINDOW_S = 10.0
 """The engines' latency window (rayattn/engine/load_signals.py WINDOW_S): after a scale-up a
 latency is this plus Serve's look-back old before it shows the larger fleet."""
 
 
 def engines_for(current: int, target: int, pressures: Mapping[str, float],
-                hold_band: float) -> int:
+                hold_band: float, floor: int = 1) -> int:
     """Engines for `pressures` (observed / target by signal): `current` running, `target`
-    what Serve aims for now (more while replicas start, fewer while they drain)."""
+    what Serve aims for now (more while replicas start, fewer while they drain); a shrink
+    stops at `floor` (`load_floor`)."""
     if current <= 0 or not pressures:
         return target
     top = max(pressures.values())
@@ -59,8 +68,16 @@ def engines_for(current: int, target: int, pressures: Mapping[str, float],
     if top >= hold_band:
         return target
     # Never above the target either: Serve would count it as a scale-up.
-    return min(target, max(1, math.ceil(current / 2),
+    return min(target, max(1, floor, math.ceil(current / 2),
                            math.ceil(current * top / hold_band - 1e-9)))
+
+
+def load_floor(load: float, full_per_engine: float | None, hold_band: float) -> int:
+    """The fewest engines that carry `load` at `hold_band` of the load per engine at which
+    a latency target last broke (1 where none has)."""
+    if not full_per_engine or load <= 0:
+        return 1
+    return max(1, math.ceil(load / (hold_band * full_per_engine) - 1e-9))
 
 
 def fleet_signal(per_replica: Mapping[Any, float | None] | None) -> float | None:
@@ -68,6 +85,12 @@ def fleet_signal(per_replica: Mapping[Any, float | None] | None) -> float | None
     reported one (None where none did)."""
     values = [v for v in (per_replica or {}).values() if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def fleet_load(counts: Mapping[Any, float] | None) -> float:
+    """The fleet's load: requests whose first token fell in the engines' latency windows,
+    summed over the replicas (a rate times the window: only ever compared with itself)."""
+    return float(sum(v for v in (counts or {}).values() if v))
 
 
 def fleet_latency(p90s: Mapping[Any, float] | None, counts: Mapping[Any, float] | None,
@@ -93,12 +116,22 @@ class EnginesForTargets:
         if not 0 < hold_band < 1:
             raise ValueError(f"hold_band must be in (0, 1), not {hold_band}")
         self.hold_band = hold_band
+        self.breaches: list[tuple[float, float]] = []
+        """(when, the fleet's load over its engines) where a latency target broke (the
+        instance lives as long as the deployment's autoscaling state in Serve's
+        controller)."""
         self.targets = {k: v for k, v in zip(SIGNALS, (ttft_p90_s, itl_p90_s, kv_usage),
                                              strict=True) if v is not None}
         bad = {k: v for k, v in self.targets.items()
                if not v > 0 or (k == "kv_usage" and v > 1)}
         if bad or not self.targets:
             raise ValueError(f"targets must be > 0, at least one of {SIGNALS}: {bad}")
+
+    def full_load_per_engine(self, now: float) -> float | None:
+        """The highest load per engine at which a latency target broke lately (None where
+        none did)."""
+        self.breaches = [(t, v) for t, v in self.breaches if now - t < BREACH_MEMORY_S]
+        return max((v for _, v in self.breaches), default=None)
 
     def pressures(self, ctx: AutoscalingContext) -> dict[str, float]:
         current = ctx.current_num_replicas
@@ -116,14 +149,21 @@ class EnginesForTargets:
 
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         pressures = self.pressures(ctx)
+        load = fleet_load((ctx.aggregated_metrics or {}).get(SAMPLES["ttft_p90_s"]))
         settle_s = LATENCY_WINDOW_S + ctx.config.look_back_period_s
         if ctx.last_scale_up_time is not None and \
                 ctx.current_time - ctx.last_scale_up_time < settle_s:
             # A latency still from before the last scale-up may hold the fleet, not grow it
-            # again (it would double on its own stale figure).
+            # again (it would double on its own stale figure), nor say what the grown fleet
+            # carries.
             pressures = {k: min(v, 1.0) if k in LATENCIES else v
                          for k, v in pressures.items()}
+        elif load and ctx.current_num_replicas > 0 and \
+                any(pressures.get(k, 0.0) > 1.0 for k in LATENCIES):
+            self.breaches.append((ctx.current_time, load / ctx.current_num_replicas))
+        floor = load_floor(load, self.full_load_per_engine(ctx.current_time), self.hold_band)
         # Serve keeps the returned state with the deployment: the last decision's reasons.
         return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,
-                            self.hold_band),
-                {"pressures": {k: round(v, 3) for k, v in pressures.items()}})
+                            self.hold_band, floor),
+                {"pressures": {k: round(v, 3) for k, v in pressures.items()},
+                 "load_floor": floor})

@@ -12,6 +12,7 @@ from pydantic import ValidationError
 from rayattn.config.schema import SCALING_POLICY, SCALING_TARGETS, EngineAutoscaling
 from rayattn.engine.load_signals import WINDOW_S, LoadSignals, WindowedLatency
 from rayattn.engine.scaling_policy import (
+    BREACH_MEMORY_S,
     MIN_SAMPLES,
     ONGOING,
     SIGNALS,
@@ -64,7 +65,7 @@ def test_replicas_still_starting_or_gone_keep_the_count_serve_aims_for():
 
 def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.0,
          target_ongoing: float = 2.0, lo: int = 1, hi: int = 8, delay_s: float = 0,
-         target: int | None = None):
+         target: int | None = None, scaled_up_s_ago: float | None = None):
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -82,8 +83,9 @@ def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.
         aggregated_metrics={m: {ids[k]: v for k, v in per.items()} for m, per in
                             metrics.items()},
         raw_metrics={}, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
-        policy_state={}, last_scale_up_time=None, last_scale_down_time=None,
-        current_time=time.time(), config=config)
+        policy_state={}, last_scale_down_time=None, current_time=time.time(),
+        last_scale_up_time=None if scaled_up_s_ago is None else time.time() - scaled_up_s_ago,
+        config=config)
 
 
 def test_pressures_are_the_fleets_signals_over_their_targets():
@@ -100,6 +102,53 @@ def test_pressures_are_the_fleets_signals_over_their_targets():
     assert "ttft_p90_s" not in policy.pressures(_ctx(
         {"kv_usage": {"r0": 0.1}, "ttft_p90_s": {"r0": 9.0}, "ttft_samples": {"r0": 2}},
         current=1))
+
+
+def _ttft(p90: float, *samples: int) -> dict[str, dict[str, float]]:
+    """Every engine at `p90`, with its share of the fleet's first tokens."""
+    return {"ttft_p90_s": {f"r{i}": p90 for i in range(len(samples))},
+            "ttft_samples": {f"r{i}": n for i, n in enumerate(samples)}}
+
+
+def test_a_fleet_holds_the_engines_its_load_broke_a_latency_target_without():
+    """Two engines far under a TTFT target can be one engine far over it (queueing near
+    saturation; seen on a GPU ramp, where the fleet went 2 -> 1 -> 2 at its peak): the
+    policy remembers the load per engine at which the target broke and does not shrink
+    below what the load now needs at the hold band of it; once the load goes, it shrinks."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    # One engine, 120 first tokens in its window at p90 0.5 s: over target, two engines.
+    assert policy(_ctx(_ttft(0.5, 120), current=1))[0] == 2
+    # Two carry 150 at 0.08 s, a quarter of the target: one engine would break it again.
+    peak = _ctx(_ttft(0.08, 75, 75), current=2)
+    held, state = policy(peak)
+    assert held == 2 and state["load_floor"] == 3  # 150 / (0.6 * 120 per engine)
+    assert EnginesForTargets(ttft_p90_s=0.3)(peak)[0] == 1  # what it did without the memory
+    # The quiet after the peak: 20 first tokens, back to one engine.
+    shrunk, state = policy(_ctx(_ttft(0.05, 10, 10), current=2))
+    assert shrunk == 1 and state["load_floor"] == 1
+
+
+def test_a_latency_from_before_a_scale_up_teaches_no_load():
+    """Right after a scale-up the latency may still be the smaller fleet's: read against
+    the grown fleet it would halve what one engine carries, and hold engines for nothing."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    assert policy(_ctx(_ttft(0.9, 60, 60), current=2, target=4, scaled_up_s_ago=1))[0] == 4
+    assert policy.full_load_per_engine(time.time()) is None
+    assert policy(_ctx(_ttft(0.9, 60, 60), current=2, scaled_up_s_ago=600))[0] == 4
+    assert policy.full_load_per_engine(time.time()) == 60
+
+
+def test_the_highest_recent_breach_bounds_a_shrink():
+    """A target also breaks while a backlog drains, at a load each engine carries: the
+    highest load per engine of the recent breaches bounds a shrink, and breaches older
+    than BREACH_MEMORY_S are forgotten (the workload changes)."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    policy(_ctx(_ttft(0.5, 120), current=1))       # 120 per engine: a load breach
+    policy(_ctx(_ttft(0.9, 5, 5, 5, 5), current=4))  # 5 per engine: a backlog draining
+    assert policy.full_load_per_engine(time.time()) == 120
+    # 60 over four engines, far under the target: two carry it (60 / (0.6 * 120) -> 1).
+    assert policy(_ctx(_ttft(0.05, 15, 15, 15, 15), current=4))[0] == 2
+    assert policy.full_load_per_engine(time.time() + BREACH_MEMORY_S) is None
 
 
 def test_serve_runs_the_policy_within_its_delays():
