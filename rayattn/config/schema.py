@@ -521,8 +521,8 @@ class EngineAutoscaling(_Strict):
     hold_band: float = Field(0.6, gt=0, lt=1)
     """Where every signal is below this share of its target the fleet shrinks, to as many
     engines as leave the most pressed one at this share, and no fewer than carry the load at
-    this share of the load per engine that last broke a latency target; between it and the
-    target it holds."""
+    this share of the highest recent load per engine that broke a latency target; between it
+    and the target it holds."""
 
     @model_validator(mode="before")
     @classmethod

@@ -74,7 +74,7 @@ def engines_for(current: int, target: int, pressures: Mapping[str, float],
 
 def load_floor(load: float, full_per_engine: float | None, hold_band: float) -> int:
     """The fewest engines that carry `load` at `hold_band` of the load per engine at which
-    a latency target last broke (1 where none has)."""
+    a latency target broke (1 where none has)."""
     if not full_per_engine or load <= 0:
         return 1
     return max(1, math.ceil(load / (hold_band * full_per_engine) - 1e-9))
@@ -116,10 +116,14 @@ class EnginesForTargets:
         if not 0 < hold_band < 1:
             raise ValueError(f"hold_band must be in (0, 1), not {hold_band}")
         self.hold_band = hold_band
-        self.breaches: list[tuple[float, float]] = []
-        """(when, the fleet's load over its engines) where a latency target broke (the
-        instance lives as long as the deployment's autoscaling state in Serve's
-        controller)."""
+        self.breaches: dict[int, float] = {}
+        """The fleet's load over its engines where a latency target broke, the highest per
+        LATENCY_WINDOW_S of time (Serve asks ten times a second). The instance lives as
+        long as the deployment's autoscaling state in Serve's controller."""
+        self.serving: int | None = None
+        self.serving_grew_at: float | None = None
+        """When the engines serving last grew in number: Serve's last_scale_up_time is the
+        decision, and an engine may serve a minute after it."""
         self.targets = {k: v for k, v in zip(SIGNALS, (ttft_p90_s, itl_p90_s, kv_usage),
                                              strict=True) if v is not None}
         bad = {k: v for k, v in self.targets.items()
@@ -130,8 +134,21 @@ class EnginesForTargets:
     def full_load_per_engine(self, now: float) -> float | None:
         """The highest load per engine at which a latency target broke lately (None where
         none did)."""
-        self.breaches = [(t, v) for t, v in self.breaches if now - t < BREACH_MEMORY_S]
-        return max((v for _, v in self.breaches), default=None)
+        oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
+        self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
+        return max(self.breaches.values(), default=None)
+
+    def settling(self, ctx: AutoscalingContext) -> bool:
+        """Whether the latencies may still be from a smaller fleet: within the engines'
+        window and Serve's look-back of the last scale-up, or of an engine's joining."""
+        current = ctx.current_num_replicas
+        if self.serving is not None and current > self.serving:
+            self.serving_grew_at = ctx.current_time
+        self.serving = current
+        since = max((t for t in (ctx.last_scale_up_time, self.serving_grew_at)
+                     if t is not None), default=None)
+        settle_s = LATENCY_WINDOW_S + ctx.config.look_back_period_s
+        return since is not None and ctx.current_time - since < settle_s
 
     def pressures(self, ctx: AutoscalingContext) -> dict[str, float]:
         current = ctx.current_num_replicas
@@ -150,9 +167,7 @@ class EnginesForTargets:
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         pressures = self.pressures(ctx)
         load = fleet_load((ctx.aggregated_metrics or {}).get(SAMPLES["ttft_p90_s"]))
-        settle_s = LATENCY_WINDOW_S + ctx.config.look_back_period_s
-        if ctx.last_scale_up_time is not None and \
-                ctx.current_time - ctx.last_scale_up_time < settle_s:
+        if self.settling(ctx):
             # A latency still from before the last scale-up may hold the fleet, not grow it
             # again (it would double on its own stale figure), nor say what the grown fleet
             # carries.
@@ -160,7 +175,9 @@ class EnginesForTargets:
                          for k, v in pressures.items()}
         elif load and ctx.current_num_replicas > 0 and \
                 any(pressures.get(k, 0.0) > 1.0 for k in LATENCIES):
-            self.breaches.append((ctx.current_time, load / ctx.current_num_replicas))
+            bucket = int(ctx.current_time // LATENCY_WINDOW_S)
+            self.breaches[bucket] = max(self.breaches.get(bucket, 0.0),
+                                        load / ctx.current_num_replicas)
         floor = load_floor(load, self.full_load_per_engine(ctx.current_time), self.hold_band)
         # Serve keeps the returned state with the deployment: the last decision's reasons.
         return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,

@@ -138,6 +138,17 @@ def test_a_latency_from_before_a_scale_up_teaches_no_load():
     assert policy.full_load_per_engine(time.time()) == 60
 
 
+def test_an_engine_that_joins_long_after_the_decision_settles_before_it_counts():
+    """Serve's last_scale_up_time is the decision; a GPU engine served 50-60 s after it. When
+    it joins, the old engine's latency is still the one engine's, and the new one has none:
+    read against two engines it would halve the load per engine and double the fleet."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    assert policy(_ctx(_ttft(0.5, 120), current=1, scaled_up_s_ago=600))[0] == 2
+    joined = _ctx(_ttft(0.5, 120, 0), current=2, scaled_up_s_ago=60)
+    assert policy(joined)[0] == 2                       # held, not doubled on a stale p90
+    assert policy.full_load_per_engine(time.time()) == 120  # not 60
+
+
 def test_the_highest_recent_breach_bounds_a_shrink():
     """A target also breaks while a backlog drains, at a load each engine carries: the
     highest load per engine of the recent breaches bounds a shrink, and breaches older
@@ -146,8 +157,10 @@ def test_the_highest_recent_breach_bounds_a_shrink():
     policy(_ctx(_ttft(0.5, 120), current=1))       # 120 per engine: a load breach
     policy(_ctx(_ttft(0.9, 5, 5, 5, 5), current=4))  # 5 per engine: a backlog draining
     assert policy.full_load_per_engine(time.time()) == 120
-    # 60 over four engines, far under the target: two carry it (60 / (0.6 * 120) -> 1).
-    assert policy(_ctx(_ttft(0.05, 15, 15, 15, 15), current=4))[0] == 2
+    # 60 over four engines, far under the target: one carries it (60 / (0.6 * 120) -> 1);
+    # by the last breach (5 per engine) it would take 20, and the fleet would stay at four.
+    shrunk, state = policy(_ctx(_ttft(0.05, 15, 15, 15, 15), current=4))
+    assert shrunk == 2 and state["load_floor"] == 1  # at most half at once
     assert policy.full_load_per_engine(time.time() + BREACH_MEMORY_S) is None
 
 
