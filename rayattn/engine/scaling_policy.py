@@ -138,17 +138,21 @@ class EnginesForTargets:
         self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
         return max(self.breaches.values(), default=None)
 
-    def settling(self, ctx: AutoscalingContext) -> bool:
-        """Whether the latencies may still be from a smaller fleet: within the engines'
-        window and Serve's look-back of the last scale-up, or of an engine's joining."""
+    def settling(self, ctx: AutoscalingContext) -> tuple[bool, bool]:
+        """Whether the latencies may still be from a smaller fleet (within the engines'
+        window and Serve's look-back): since the last scale-up, and since an engine last
+        joined. The first stops a latency growing the fleet again; the second, which runs
+        on while engines keep joining, only stops a breach being learnt: read against
+        engines that were not serving yet, it would understate what an engine carries."""
         current = ctx.current_num_replicas
         if self.serving is not None and current > self.serving:
             self.serving_grew_at = ctx.current_time
         self.serving = current
-        since = max((t for t in (ctx.last_scale_up_time, self.serving_grew_at)
-                     if t is not None), default=None)
         settle_s = LATENCY_WINDOW_S + ctx.config.look_back_period_s
-        return since is not None and ctx.current_time - since < settle_s
+
+        def within(t: float | None) -> bool:
+            return t is not None and ctx.current_time - t < settle_s
+        return within(ctx.last_scale_up_time), within(self.serving_grew_at)
 
     def pressures(self, ctx: AutoscalingContext) -> dict[str, float]:
         current = ctx.current_num_replicas
@@ -167,13 +171,14 @@ class EnginesForTargets:
     def __call__(self, ctx: AutoscalingContext) -> tuple[int, dict[str, Any]]:
         pressures = self.pressures(ctx)
         load = fleet_load((ctx.aggregated_metrics or {}).get(SAMPLES["ttft_p90_s"]))
-        if self.settling(ctx):
+        scaled_up, joined = self.settling(ctx)
+        if scaled_up:
             # A latency still from before the last scale-up may hold the fleet, not grow it
             # again (it would double on its own stale figure), nor say what the grown fleet
             # carries.
             pressures = {k: min(v, 1.0) if k in LATENCIES else v
                          for k, v in pressures.items()}
-        elif load and ctx.current_num_replicas > 0 and \
+        elif not joined and load and ctx.current_num_replicas > 0 and \
                 any(pressures.get(k, 0.0) > 1.0 for k in LATENCIES):
             bucket = int(ctx.current_time // LATENCY_WINDOW_S)
             self.breaches[bucket] = max(self.breaches.get(bucket, 0.0),
