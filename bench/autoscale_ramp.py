@@ -4,7 +4,8 @@ and KV usage; rayattn/engine/scaling_policy.py).
 
     .venv/bin/python bench/autoscale_ramp.py [--policies ongoing:16,ongoing:2,ttft:1.0]
         [--system-words 0]
-        [--engines 1,3] [--quiet 6] [--peak 24] [--phases-s 60,120,90] [--think-s 2]
+        [--engines 1,3] [--quiet 6] [--peak 24] [--phases-s 60,120,90] [--rise-s 0]
+        [--think-s 2]
         [--runs 1] [--out bench/results/autoscale_ramp.json] [--plot docs/img/ramp.png]
         [--config deployments/local.yaml] [--real-engines] [--model PATH] [--set K=V]...
 
@@ -18,7 +19,7 @@ its minimum), the policies' order rotating from run to run; then the same conver
 seed per run) run closed loop: a document, then turns of the whole history plus a question,
 each after a think time (exponential, mean `--think-s`), all behind one system prompt of
 `--system-words` (none by default); `--quiet` of them, then `--peak`,
-then `--quiet` again; a conversation of `--turns` turns makes way for a new one. Every second
+then `--quiet` again (a step, or a straight line over `--rise-s`); a conversation of `--turns` turns makes way for a new one. Every second
 Serve's status says how many engine replicas hold resources (starting, running or stopping).
 Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turns (what the
 policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
@@ -117,14 +118,21 @@ def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
     return cfg
 
 
-def wanted(t: float, phases: list[float], quiet: int, peak: int) -> int:
-    """Conversations the ramp wants running `t` s after its start (0 once it is over)."""
+def wanted(t: float, phases: list[float], quiet: int, peak: int, rise_s: float = 0.0) -> int:
+    """Conversations the ramp wants running `t` s after its start (0 once it is over): a
+    step from quiet to peak and back, or over the first `rise_s` of the peak and of the
+    quiet after it a straight line (users' traffic rises over minutes, not at once)."""
     a, b, c = phases
     if t < a:
         return quiet
     if t < a + b:
-        return peak
-    return quiet if t < a + b + c else 0
+        up = min(rise_s, b)
+        return peak if t >= a + up else round(quiet + (peak - quiet) * (t - a) / up)
+    if t < a + b + c:
+        down = min(rise_s, c)
+        since = t - a - b
+        return quiet if since >= down else round(peak - (peak - quiet) * since / down)
+    return 0
 
 
 def engines_held() -> int:
@@ -183,7 +191,7 @@ async def ramp(url: str, a: argparse.Namespace, seed: int, model: str, block: in
             messages += [{"role": "assistant", "content": r.output_text},
                          {"role": "user", "content": " ".join(rng.choices(WORDS, k=30))}]
             await asyncio.sleep(rng.expovariate(1 / a.think_s))
-            if len(running) > wanted(loop.time() - t0, phases, a.quiet, a.peak):
+            if len(running) > wanted(loop.time() - t0, phases, a.quiet, a.peak, a.rise_s):
                 return  # the ramp wants fewer now
 
     async def sample(client: aiohttp.ClientSession) -> None:
@@ -201,7 +209,8 @@ async def ramp(url: str, a: argparse.Namespace, seed: int, model: str, block: in
         sampler = loop.create_task(sample(client))
         end = sum(phases)
         while loop.time() - t0 < end:
-            while len(running) < wanted(loop.time() - t0, phases, a.quiet, a.peak):
+            while len(running) < wanted(loop.time() - t0, phases, a.quiet, a.peak,
+                                         a.rise_s):
                 n += 1
                 task = loop.create_task(conversation(client, f"c{n}"))
                 running.add(task)
@@ -311,8 +320,9 @@ def plot(runs: list[dict], a: argparse.Namespace) -> None:
     ax2.axhline(a.ttft_target_s, color="grey", linestyle="--", label="TTFT target")
     ax1.set_ylabel("engines serving (held: dotted)")
     ax2.set_ylabel("TTFT p90 (s), by start")
+    rise = f", rising {a.rise_s:g} s" if getattr(a, "rise_s", 0) else ""  # older runs: a step
     ax2.set_xlabel(f"s since the ramp began ({a.phases_s} s at {a.quiet}/{a.peak}/{a.quiet} "
-                   "conversations)")
+                   f"conversations{rise})")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     fig.tight_layout()
@@ -339,6 +349,8 @@ def main() -> None:
     ap.add_argument("--quiet", type=int, default=6)
     ap.add_argument("--peak", type=int, default=24)
     ap.add_argument("--phases-s", default="60,120,90")
+    ap.add_argument("--rise-s", type=float, default=0.0,
+                    help="the peak's rise and fall, in a straight line (0: a step)")
     ap.add_argument("--think-s", type=float, default=2.0)
     ap.add_argument("--turns", type=int, default=6)
     ap.add_argument("--doc-words", type=int, default=400)

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.autoscale_ramp import serve_config, summarize
+from bench.autoscale_ramp import serve_config, summarize, wanted
 from rayattn.config.loader import rayattn_apps
 from tests.conftest import ROOT
 
@@ -63,3 +63,15 @@ def test_later_turns_hit_is_counted_against_their_own_history() -> None:
     assert s["later_cached_share"] == round(288 / 900, 3)
     assert (s["moved_turns"], s["moved_cached_share"]) == (1, 0.0)
     assert s["failed"] == 0
+
+
+def test_the_ramp_steps_or_rises_in_a_straight_line() -> None:
+    phases = [30.0, 180.0, 60.0]
+    assert [wanted(t, phases, 16, 160) for t in (0, 29.9, 30, 209.9, 210, 269.9, 270)] == \
+        [16, 16, 160, 160, 16, 16, 0]
+    # A 60-s rise: half way up at 60 s, the peak from 90 s; down the same way after 210 s.
+    assert [wanted(t, phases, 16, 160, 60) for t in (30, 60, 90, 209.9, 240, 270)] == \
+        [16, 88, 160, 160, 88, 0]
+    # A rise longer than a phase takes the phase.
+    assert wanted(45, [30.0, 30.0, 30.0], 0, 100, 600) == 50
+
