@@ -18,8 +18,9 @@ policy and run the app is deleted and deployed anew (fresh engines, cold caches,
 its minimum), the policies' order rotating from run to run; then the same conversations (one
 seed per run) run closed loop: a document, then turns of the whole history plus a question,
 each after a think time (exponential, mean `--think-s`), all behind one system prompt of
-`--system-words` (none by default); `--quiet` of them, then `--peak`,
-then `--quiet` again (a step, or a straight line over `--rise-s`); a conversation of `--turns` turns makes way for a new one. Every second
+`--system-words` (none by default); `--quiet` of them, then `--peak`, then `--quiet`
+again (a step, or a straight line over `--rise-s`); a conversation of `--turns` turns makes
+way for a new one. Every second
 Serve's status says how many engine replicas hold resources (starting, running or stopping).
 Per 10-s window, by the requests' start: engines, requests, TTFT p90 of all turns (what the
 policy's target bounds) and of later turns. Per run: the share of windows, and of the peak's,
