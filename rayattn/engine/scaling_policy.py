@@ -11,16 +11,16 @@ fleet. Below `hold_band` of every target it shrinks, by at most half per decisio
 engines as keep the highest pressure at `hold_band`: for the signals that divide over the
 engines the next decision then does not grow it back (no flapping). A latency does not
 divide: queueing makes it steep near saturation, so two engines well under a TTFT target can
-be one engine far over it. The policy therefore remembers the load per engine at which the
-fleet broke a latency target (requests in the engines' latency window; the highest such load
-of the last BREACH_MEMORY_S: a target also breaks while a backlog drains, at loads an engine
-carries) and never shrinks to fewer engines than carry the load now at `hold_band` of that.
-In between it
-holds the count Serve aims for (replicas still starting included). A latency counts only
-with MIN_SAMPLES behind it over the fleet, each engine's p90 weighted by its samples. Serve's
-controller runs it every tick and applies the bounds and the upscale/downscale delays around
-it. The engines report their signals through `record_autoscaling_stats`
-(rayattn/engine/load_signals.py).
+be one engine far over it. The policy therefore remembers what an engine carries at the
+latency targets, as the fleet showed it over the last BREACH_MEMORY_S: the highest load per
+engine (requests in the engines' latency window) at which a target broke, or the highest it
+carried within every target where that is more (a target also breaks at loads an engine
+carries: an opening burst, a backlog draining); it never shrinks to fewer engines than carry
+the load now at `hold_band` of that. In between it holds the count Serve aims for (replicas
+still starting included). A latency counts only with MIN_SAMPLES behind it over the fleet,
+each engine's p90 weighted by its samples. Serve's controller runs it every tick and applies
+the bounds and the upscale/downscale delays around it. The engines report their signals
+through `record_autoscaling_stats` (rayattn/engine/load_signals.py).
 
 Serve pickles this module by value into its controller: it imports nothing of rayattn."""
 
@@ -120,6 +120,8 @@ class EnginesForTargets:
         """The fleet's load over its engines where a latency target broke, the highest per
         LATENCY_WINDOW_S of time (Serve asks ten times a second). The instance lives as
         long as the deployment's autoscaling state in Serve's controller."""
+        self.carried: dict[int, float] = {}
+        """The same where every latency target held."""
         self.serving: int | None = None
         self.serving_grew_at: float | None = None
         """When the engines serving last grew in number: Serve's last_scale_up_time is the
@@ -132,11 +134,16 @@ class EnginesForTargets:
             raise ValueError(f"targets must be > 0, at least one of {SIGNALS}: {bad}")
 
     def full_load_per_engine(self, now: float) -> float | None:
-        """The highest load per engine at which a latency target broke lately (None where
-        none did)."""
+        """What an engine carries at the latency targets, as the fleet showed it lately: the
+        highest load per engine at which a target broke, or the highest carried within them
+        where that is more (a breach below what the fleet carried was not the load's); None
+        where no target broke."""
         oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
         self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
-        return max(self.breaches.values(), default=None)
+        self.carried = {k: v for k, v in self.carried.items() if k > oldest}
+        if not self.breaches:
+            return None
+        return max([*self.breaches.values(), *self.carried.values()])
 
     def settling(self, ctx: AutoscalingContext) -> tuple[bool, bool]:
         """Whether the latencies may still be from a smaller fleet (within the engines'
@@ -179,10 +186,10 @@ class EnginesForTargets:
             pressures = {k: min(v, 1.0) if k in LATENCIES else v
                          for k, v in pressures.items()}
         elif not joined and load and ctx.current_num_replicas > 0 and \
-                any(pressures.get(k, 0.0) > 1.0 for k in LATENCIES):
+                (latencies := [v for k, v in pressures.items() if k in LATENCIES]):
+            seen = self.breaches if max(latencies) > 1.0 else self.carried
             bucket = int(ctx.current_time // LATENCY_WINDOW_S)
-            self.breaches[bucket] = max(self.breaches.get(bucket, 0.0),
-                                        load / ctx.current_num_replicas)
+            seen[bucket] = max(seen.get(bucket, 0.0), load / ctx.current_num_replicas)
         floor = load_floor(load, self.full_load_per_engine(ctx.current_time), self.hold_band)
         # Serve keeps the returned state with the deployment: the last decision's reasons.
         return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,

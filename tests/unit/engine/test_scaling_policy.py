@@ -65,7 +65,7 @@ def test_replicas_still_starting_or_gone_keep_the_count_serve_aims_for():
 
 def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.0,
          target_ongoing: float = 2.0, lo: int = 1, hi: int = 8, delay_s: float = 0,
-         target: int | None = None, scaled_up_s_ago: float | None = None):
+         target: int | None = None, scaled_up_s_ago: float | None = None, at: float = 0.0):
     from ray.serve._private.common import DeploymentID, ReplicaID
     from ray.serve.config import AutoscalingConfig, AutoscalingContext
 
@@ -83,8 +83,9 @@ def _ctx(metrics: dict[str, dict[str, float]], current: int, ongoing: float = 0.
         aggregated_metrics={m: {ids[k]: v for k, v in per.items()} for m, per in
                             metrics.items()},
         raw_metrics={}, capacity_adjusted_min_replicas=lo, capacity_adjusted_max_replicas=hi,
-        policy_state={}, last_scale_down_time=None, current_time=time.time(),
-        last_scale_up_time=None if scaled_up_s_ago is None else time.time() - scaled_up_s_ago,
+        policy_state={}, last_scale_down_time=None, current_time=time.time() + at,
+        last_scale_up_time=None if scaled_up_s_ago is None else
+        time.time() + at - scaled_up_s_ago,
         config=config)
 
 
@@ -277,3 +278,23 @@ def test_serve_loads_the_policy_it_is_given_by_value_with_its_targets():
                current=2)
     ctx.last_scale_up_time = ctx.current_time - 5
     assert policy(ctx)[0] == 2
+
+
+def test_a_breach_below_what_the_fleet_carried_does_not_hold_it():
+    """On the CPU ramp an opening burst broke the target at 10 first tokens per engine (the
+    window just filling); later three engines carried 33 each within it. What an engine
+    carries is then at least 33: the quiet after the peak (25 over three) may shrink, where
+    the breach alone (25 / (0.6 * 10) -> 5) held all three for half an hour."""
+    policy = EnginesForTargets(ttft_p90_s=1.5)
+    assert policy(_ctx(_ttft(2.6, 10), current=1))[0] == 2
+    policy(_ctx(_ttft(0.5, 20, 20, 20), current=3, at=100))  # just joined: nothing learnt
+    assert policy.full_load_per_engine(time.time() + 100) == 10
+    policy(_ctx(_ttft(0.5, 33, 33, 33), current=3, at=200))
+    assert policy.full_load_per_engine(time.time() + 200) == 33
+    shrunk, state = policy(_ctx(_ttft(0.48, 8, 8, 9), current=3, at=210))
+    assert state["load_floor"] == 2 and shrunk == 2
+    # Carrying alone teaches nothing: without a breach there is no floor.
+    fresh = EnginesForTargets(ttft_p90_s=1.5)
+    fresh(_ctx(_ttft(0.5, 33, 33, 33), current=3))
+    assert fresh.full_load_per_engine(time.time()) is None
+
