@@ -46,8 +46,8 @@ MIN_SAMPLES = 10
 """Fewer latencies than this over the fleet's windows make no signal: one slow request is
 not a p90, and a fleet that grew must not lose its signal by spreading the same traffic."""
 BREACH_MEMORY_S = 1800.0
-"""How long a latency target's breach bounds a shrink (the workload, and with it what an
-engine carries, changes over a day)."""
+"""How long what the fleet showed of an engine's capacity bounds a shrink (the workload, and
+with it what an engine carries, changes over a day)."""
 LATENCY_WINDOW_S = 10.0
 """The engines' latency window (rayattn/engine/load_signals.py WINDOW_S): after a scale-up a
 latency is this plus Serve's look-back old before it shows the larger fleet."""
@@ -73,8 +73,8 @@ def engines_for(current: int, target: int, pressures: Mapping[str, float],
 
 
 def load_floor(load: float, full_per_engine: float | None, hold_band: float) -> int:
-    """The fewest engines that carry `load` at `hold_band` of the load per engine at which
-    a latency target broke (1 where none has)."""
+    """The fewest engines that carry `load` at `hold_band` of what one engine carries at
+    the latency targets (`EngineCapacity`; 1 where that is unknown)."""
     if not full_per_engine or load <= 0:
         return 1
     return max(1, math.ceil(load / (hold_band * full_per_engine) - 1e-9))
@@ -105,6 +105,32 @@ def fleet_latency(p90s: Mapping[Any, float] | None, counts: Mapping[Any, float] 
     return sum(v * n for v, n in pairs) / total
 
 
+class EngineCapacity:
+    """What one engine carries at the latency targets, as the fleet showed it over the last
+    BREACH_MEMORY_S: loads per engine where a target broke and where every target held, the
+    highest of each per LATENCY_WINDOW_S of time (Serve asks ten times a second)."""
+
+    def __init__(self) -> None:
+        self.breaches: dict[int, float] = {}
+        self.carried: dict[int, float] = {}
+
+    def record(self, now: float, per_engine: float, broke: bool) -> None:
+        seen = self.breaches if broke else self.carried
+        bucket = int(now // LATENCY_WINDOW_S)
+        seen[bucket] = max(seen.get(bucket, 0.0), per_engine)
+
+    def per_engine(self, now: float) -> float | None:
+        """The highest load per engine at which a target broke, or the highest carried
+        within them where that is more (a breach below what the fleet carried was not the
+        load's); None where no target broke."""
+        oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
+        self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
+        self.carried = {k: v for k, v in self.carried.items() if k > oldest}
+        if not self.breaches:
+            return None
+        return max([*self.breaches.values(), *self.carried.values()])
+
+
 class EnginesForTargets:
     """The policy Serve instantiates once per deployment (policy_kwargs: the targets) and
     calls with its AutoscalingContext on every tick."""
@@ -116,12 +142,8 @@ class EnginesForTargets:
         if not 0 < hold_band < 1:
             raise ValueError(f"hold_band must be in (0, 1), not {hold_band}")
         self.hold_band = hold_band
-        self.breaches: dict[int, float] = {}
-        """The fleet's load over its engines where a latency target broke, the highest per
-        LATENCY_WINDOW_S of time (Serve asks ten times a second). The instance lives as
-        long as the deployment's autoscaling state in Serve's controller."""
-        self.carried: dict[int, float] = {}
-        """The same where every latency target held."""
+        self.capacity = EngineCapacity()
+        """Lives as long as the deployment's autoscaling state in Serve's controller."""
         self.serving: int | None = None
         self.serving_grew_at: float | None = None
         """When the engines serving last grew in number: Serve's last_scale_up_time is the
@@ -132,18 +154,6 @@ class EnginesForTargets:
                if not v > 0 or (k == "kv_usage" and v > 1)}
         if bad or not self.targets:
             raise ValueError(f"targets must be > 0, at least one of {SIGNALS}: {bad}")
-
-    def full_load_per_engine(self, now: float) -> float | None:
-        """What an engine carries at the latency targets, as the fleet showed it lately: the
-        highest load per engine at which a target broke, or the highest carried within them
-        where that is more (a breach below what the fleet carried was not the load's); None
-        where no target broke."""
-        oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
-        self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
-        self.carried = {k: v for k, v in self.carried.items() if k > oldest}
-        if not self.breaches:
-            return None
-        return max([*self.breaches.values(), *self.carried.values()])
 
     def settling(self, ctx: AutoscalingContext) -> tuple[bool, bool]:
         """Whether the latencies may still be from a smaller fleet (within the engines'
@@ -187,10 +197,9 @@ class EnginesForTargets:
                          for k, v in pressures.items()}
         elif not joined and load and ctx.current_num_replicas > 0 and \
                 (latencies := [v for k, v in pressures.items() if k in LATENCIES]):
-            seen = self.breaches if max(latencies) > 1.0 else self.carried
-            bucket = int(ctx.current_time // LATENCY_WINDOW_S)
-            seen[bucket] = max(seen.get(bucket, 0.0), load / ctx.current_num_replicas)
-        floor = load_floor(load, self.full_load_per_engine(ctx.current_time), self.hold_band)
+            self.capacity.record(ctx.current_time, load / ctx.current_num_replicas,
+                                 broke=max(latencies) > 1.0)
+        floor = load_floor(load, self.capacity.per_engine(ctx.current_time), self.hold_band)
         # Serve keeps the returned state with the deployment: the last decision's reasons.
         return (engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,
                             self.hold_band, floor),

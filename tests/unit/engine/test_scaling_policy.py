@@ -134,9 +134,9 @@ def test_a_latency_from_before_a_scale_up_teaches_no_load():
     the grown fleet it would halve what one engine carries, and hold engines for nothing."""
     policy = EnginesForTargets(ttft_p90_s=0.3)
     assert policy(_ctx(_ttft(0.9, 60, 60), current=2, target=4, scaled_up_s_ago=1))[0] == 4
-    assert policy.full_load_per_engine(time.time()) is None
+    assert policy.capacity.per_engine(time.time()) is None
     assert policy(_ctx(_ttft(0.9, 60, 60), current=2, scaled_up_s_ago=600))[0] == 4
-    assert policy.full_load_per_engine(time.time()) == 60
+    assert policy.capacity.per_engine(time.time()) == 60
 
 
 def test_an_engine_that_joins_long_after_the_decision_settles_before_it_counts():
@@ -149,7 +149,7 @@ def test_an_engine_that_joins_long_after_the_decision_settles_before_it_counts()
     assert policy(_ctx(_ttft(0.5, 120), current=1, scaled_up_s_ago=600))[0] == 2
     joined = _ctx(_ttft(0.5, 120, 0), current=2, scaled_up_s_ago=60)
     assert policy(joined)[0] > 2
-    assert policy.full_load_per_engine(time.time()) == 120  # not 60
+    assert policy.capacity.per_engine(time.time()) == 120  # not 60
 
 
 def test_the_highest_recent_breach_bounds_a_shrink():
@@ -159,12 +159,12 @@ def test_the_highest_recent_breach_bounds_a_shrink():
     policy = EnginesForTargets(ttft_p90_s=0.3)
     policy(_ctx(_ttft(0.5, 120), current=1))       # 120 per engine: a load breach
     policy(_ctx(_ttft(0.9, 5, 5, 5, 5), current=4))  # 5 per engine: a backlog draining
-    assert policy.full_load_per_engine(time.time()) == 120
+    assert policy.capacity.per_engine(time.time()) == 120
     # 60 over four engines, far under the target: one carries it (60 / (0.6 * 120) -> 1);
     # by the last breach (5 per engine) it would take 20, and the fleet would stay at four.
     shrunk, state = policy(_ctx(_ttft(0.05, 15, 15, 15, 15), current=4))
     assert shrunk == 2 and state["load_floor"] == 1  # at most half at once
-    assert policy.full_load_per_engine(time.time() + BREACH_MEMORY_S) is None
+    assert policy.capacity.per_engine(time.time() + BREACH_MEMORY_S) is None
 
 
 def test_serve_runs_the_policy_within_its_delays():
@@ -288,13 +288,13 @@ def test_a_breach_below_what_the_fleet_carried_does_not_hold_it():
     policy = EnginesForTargets(ttft_p90_s=1.5)
     assert policy(_ctx(_ttft(2.6, 10), current=1))[0] == 2
     policy(_ctx(_ttft(0.5, 20, 20, 20), current=3, at=100))  # just joined: nothing learnt
-    assert policy.full_load_per_engine(time.time() + 100) == 10
+    assert policy.capacity.per_engine(time.time() + 100) == 10
     policy(_ctx(_ttft(0.5, 33, 33, 33), current=3, at=200))
-    assert policy.full_load_per_engine(time.time() + 200) == 33
+    assert policy.capacity.per_engine(time.time() + 200) == 33
     shrunk, state = policy(_ctx(_ttft(0.48, 8, 8, 9), current=3, at=210))
     assert state["load_floor"] == 2 and shrunk == 2
     # Carrying alone teaches nothing: without a breach there is no floor.
     fresh = EnginesForTargets(ttft_p90_s=1.5)
     fresh(_ctx(_ttft(0.5, 33, 33, 33), current=3))
-    assert fresh.full_load_per_engine(time.time()) is None
+    assert fresh.capacity.per_engine(time.time()) is None
 
