@@ -75,3 +75,18 @@ def test_the_ramp_steps_or_rises_in_a_straight_line() -> None:
     # A rise longer than a phase takes the phase.
     assert wanted(45, [30.0, 30.0, 30.0], 0, 100, 600) == 50
 
+
+
+def test_a_minute_is_judged_by_its_own_p90() -> None:
+    def req(t: float, ttft: float) -> dict:
+        return {"t": t, "turn": 0, "status": 200, "ttft_s": ttft, "prompt": 10, "cached": 0,
+                "replica": "r", "moved": False, "oracle": 0}
+
+    # Minute 0: one slow request in twenty, within target at its p90 though one of its
+    # 10-s windows (the slow one's alone) is not; minute 1: all slow; minute 2: idle.
+    first = [req(t, 0.1) for t in range(12, 60, 3)] + [req(2, 5.0)]
+    results = first + [req(60 + t, 2.0) for t in range(0, 60, 5)]
+    s = summarize(results, [(0.0, 1, 1), (180.0, 1, 1)],
+                  ramp_args(phases_s="60,60,60", ttft_target_s=1.0))
+    assert s["minutes_within_target"] == "1/2"
+    assert s["windows_within_target"] == "5/12"
