@@ -121,20 +121,24 @@ def serve_config(a: argparse.Namespace, policy: str) -> dict[str, Any]:
 
 
 def wanted(t: float, phases: list[float], quiet: int, peak: int, rise_s: float = 0.0) -> int:
-    """Conversations the ramp wants running `t` s after its start (0 once it is over): a
-    step from quiet to peak and back, or over the first `rise_s` of the peak and of the
-    quiet after it a straight line (users' traffic rises over minutes, not at once)."""
-    a, b, c = phases
-    if t < a:
-        return quiet
-    if t < a + b:
-        up = min(rise_s, b)
-        return peak if t >= a + up else round(quiet + (peak - quiet) * (t - a) / up)
-    if t < a + b + c:
-        down = min(rise_s, c)
-        since = t - a - b
-        return quiet if since >= down else round(peak - (peak - quiet) * since / down)
+    """Conversations the ramp wants running `t` s after its start (0 once it is over): its
+    phases alternate quiet and peak (quiet, peak, quiet[, peak, quiet ...]); each change is
+    a step, or over the first `rise_s` of the phase a straight line (users' traffic rises
+    over minutes, not at once)."""
+    start = 0.0
+    for i, length in enumerate(phases):
+        if t < start + length:
+            here, before = (peak, quiet) if i % 2 else (quiet, peak)
+            ramp, since = (min(rise_s, length) if i else 0.0), t - start
+            return here if since >= ramp else round(before + (here - before) * since / ramp)
+        start += length
     return 0
+
+
+def peak_spans(phases: list[float]) -> list[tuple[float, float]]:
+    """(start, end) of each peak phase."""
+    starts = [sum(phases[:i]) for i in range(len(phases))]
+    return [(starts[i], starts[i] + phases[i]) for i in range(1, len(phases), 2)]
 
 
 def engines_held() -> int:
@@ -248,7 +252,10 @@ def _r3(x: float | None) -> float | None:
 def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -> dict:
     phases = [float(x) for x in a.phases_s.split(",")]
     end = sum(phases)
-    peak_lo, peak_hi = phases[0], phases[0] + phases[1]
+    peaks = peak_spans(phases)
+
+    def in_peak(t: float) -> bool:
+        return any(lo <= t < hi for lo, hi in peaks)
     ok = [r for r in results if r["status"] == 200]
     windows = []
     for i in range(int(end // WINDOW_S)):
@@ -286,9 +293,9 @@ def summarize(results: list[dict], health: list[tuple], a: argparse.Namespace) -
             f"{sum(m <= a.ttft_target_s for m in judged_minutes)}/{len(judged_minutes)}",
         "windows_within_target": share(windows),
         "peak_windows_within_target": share([w for w in windows
-                                             if peak_lo <= w["t"] < peak_hi]),
+                                             if in_peak(w["t"])]),
         "ttft_p90_s": _r3(p90([r["ttft_s"] for r in ok])),
-        "peak_ttft_p90_s": _r3(p90([r["ttft_s"] for r in ok if peak_lo <= r["t"] < peak_hi])),
+        "peak_ttft_p90_s": _r3(p90([r["ttft_s"] for r in ok if in_peak(r["t"])])),
         "later_ttft_p90_s": _r3(p90([r["ttft_s"] for r in later])),
         "engine_seconds": round(engine_s),
         "engine_seconds_per_100_requests": round(100 * engine_s / in_ramp, 1)
@@ -358,7 +365,8 @@ def main() -> None:
     ap.add_argument("--engines", default="1,3", help="min,max engine replicas")
     ap.add_argument("--quiet", type=int, default=6)
     ap.add_argument("--peak", type=int, default=24)
-    ap.add_argument("--phases-s", default="60,120,90")
+    ap.add_argument("--phases-s", default="60,120,90",
+                    help="seconds of quiet, peak, quiet[, peak, quiet ...]")
     ap.add_argument("--rise-s", type=float, default=0.0,
                     help="the peak's rise and fall, in a straight line (0: a step)")
     ap.add_argument("--think-s", type=float, default=2.0)
@@ -378,6 +386,8 @@ def main() -> None:
                     help="only plot earlier --out files' runs (the first file's settings) to "
                          "--plot; runs nothing")
     a = ap.parse_args()
+    if len(a.phases_s.split(",")) % 2 == 0:
+        ap.error("--phases-s: quiet, peak, quiet[, peak, quiet ...] (an odd count)")
     if a.replot:
         if not a.plot:
             ap.error("--replot needs --plot")

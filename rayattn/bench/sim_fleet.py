@@ -116,7 +116,8 @@ class Autoscaler:
             last_scale_up_time=self.last_scale_up, current_time=now,
             config=SimpleNamespace(get_target_ongoing_requests=lambda:
                                    self.s.target_ongoing_requests,
-                                   look_back_period_s=self.s.look_back_period_s))
+                                   look_back_period_s=self.s.look_back_period_s,
+                                   upscale_delay_s=self.s.upscale_delay_s))
         wish, state = self.policy(ctx)  # type: ignore[arg-type]
         wish = max(self.s.min_replicas, min(self.s.max_replicas, wish))
         if wish == self.target:

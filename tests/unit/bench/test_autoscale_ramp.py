@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from bench.autoscale_ramp import serve_config, summarize, wanted
+from bench.autoscale_ramp import peak_spans, serve_config, summarize, wanted
 from rayattn.config.loader import rayattn_apps
 from tests.conftest import ROOT
 
@@ -74,7 +74,11 @@ def test_the_ramp_steps_or_rises_in_a_straight_line() -> None:
         [16, 88, 160, 160, 88, 0]
     # A rise longer than a phase takes the phase.
     assert wanted(45, [30.0, 30.0, 30.0], 0, 100, 600) == 50
-
+    # A second peak: the same rise again after the quiet.
+    two = [30.0, 60.0, 60.0, 60.0, 30.0]
+    assert [wanted(t, two, 10, 100, 20) for t in (20, 40, 100, 160, 170, 190, 215, 240)] == \
+        [10, 55, 55, 55, 100, 100, 78, 0]
+    assert peak_spans(two) == [(30.0, 90.0), (150.0, 210.0)]
 
 
 def test_a_minute_is_judged_by_its_own_p90() -> None:

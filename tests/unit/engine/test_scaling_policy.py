@@ -298,3 +298,56 @@ def test_a_breach_below_what_the_fleet_carried_does_not_hold_it():
     fresh(_ctx(_ttft(0.5, 33, 33, 33), current=3))
     assert fresh.capacity.per_engine(time.time()) is None
 
+
+def test_a_load_rising_toward_what_broke_a_target_grows_the_fleet_before_it_breaks():
+    """A latency target breaks at queueing's knee, within seconds, and an engine takes tens
+    of seconds to serve (32-47 s on the GPU ramp, where one engine went 0.13 -> 0.62 s in
+    20 s): growing on the breach is late. The policy times the fleet's starts and grows
+    where the load, that far ahead on its trend, reaches what broke the target before."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    assert policy(_ctx(_ttft(0.5, 120), current=1))[0] == 2  # broke at 120 per engine
+    # The second engine serves 40 s after the decision; the peak, then the quiet.
+    policy(_ctx(_ttft(0.1, 60, 60), current=2, at=40, scaled_up_s_ago=40))
+    assert policy.start_s(time.time() + 40) == pytest.approx(40, abs=1)
+    policy(_ctx(_ttft(0.05, 20), current=1, at=700))
+    # The next rise, every latency far within the target: 40, then 60 five seconds later
+    # (4 per second: 220 in 40 s, two engines' worth).
+    assert policy(_ctx(_ttft(0.1, 40), current=1, at=809))[0] == 1
+    up, state = policy(_ctx(_ttft(0.1, 60), current=1, at=814))
+    assert up == 2 and state["ahead"] == 2
+    # Serve's upscale delay is looked ahead too: a second later, 20 over 6 s for 40 + 40 s
+    # (60 + 267: three engines' worth, two without the delay).
+    assert policy(_ctx(_ttft(0.1, 60), current=1, at=815, delay_s=40))[1]["ahead"] == 3
+    # A flat load, at what one engine was seen to break at less than: no growth.
+    for at in (900, 905, 910):
+        assert policy(_ctx(_ttft(0.1, 100), current=1, at=at))[0] == 1
+    # An engine leaving: the fleet's summed load drops and climbs back as the window
+    # refills, which is no rise of what users send (before, it grew the fleet straight back).
+    policy(_ctx(_ttft(0.1, 50, 50), current=2, at=1000))
+    for at, load in ((1001, 50), (1006, 75), (1011, 100)):
+        assert policy(_ctx(_ttft(0.1, load), current=1, at=at))[1]["ahead"] == 0
+    # Without the memory (no breach seen), or where the breach was a burst's below what an
+    # engine carried, the same rise waits for the latency.
+    for first in ((0.1, 20), (2.6, 10)):
+        other = EnginesForTargets(ttft_p90_s=0.3)
+        other(_ctx(_ttft(*first), current=1))
+        other(_ctx(_ttft(0.1, 30), current=1, at=30))  # carried within the target
+        other.starts = {time.time(): 40.0}
+        other(_ctx(_ttft(0.1, 40), current=1, at=809))
+        assert other(_ctx(_ttft(0.1, 60), current=1, at=814))[0] == 1
+
+
+def test_only_a_join_after_a_decision_times_an_engine_start():
+    """A replica that replaces a crashed one joins long after the last scale-up decision:
+    timed from it, the growth would look minutes ahead and ask for the maximum."""
+    policy = EnginesForTargets(ttft_p90_s=0.3)
+    policy(_ctx(_ttft(0.1, 10), current=1, scaled_up_s_ago=50))
+    policy(_ctx(_ttft(0.1, 10, 10), current=2, at=10, scaled_up_s_ago=60))
+    assert policy.start_s(time.time() + 10) == pytest.approx(60, abs=1)
+    policy(_ctx(_ttft(0.1, 10), current=1, at=300, scaled_up_s_ago=350))  # a crash
+    policy(_ctx(_ttft(0.1, 10, 10), current=2, at=320, scaled_up_s_ago=370))  # replaced
+    assert policy.start_s(time.time() + 320) == pytest.approx(60, abs=1)
+    fresh = EnginesForTargets(ttft_p90_s=0.3)  # a controller restarted since the decision
+    fresh(_ctx(_ttft(0.1, 10), current=1, scaled_up_s_ago=3000))
+    fresh(_ctx(_ttft(0.1, 10, 10), current=2, at=1, scaled_up_s_ago=3001))
+    assert fresh.start_s(time.time() + 1) == 0.0
