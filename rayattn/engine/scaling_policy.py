@@ -190,9 +190,10 @@ class EnginesForTargets:
         self.trend = LoadTrend()
         self.serving: int | None = None
         self.serving_grew_at: float | None = None
-        self.resized_at: float | None = None
         """When the engines serving last grew in number: Serve's last_scale_up_time is the
         decision, and an engine may serve a minute after it."""
+        self.resized_at: float | None = None
+        """When the engines serving last changed in number, either way."""
         self.starts: dict[float, float] = {}
         """When an engine joined: how long after Serve's last scale-up decision (the
         decision that started it may be earlier: a later one cuts the figure short)."""
