@@ -130,18 +130,22 @@ class EngineCapacity:
         """The highest load per engine at which a target broke, or the highest carried
         within them where that is more (a breach below what the fleet carried was not the
         load's); None where no target broke."""
-        oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
-        self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
-        self.carried = {k: v for k, v in self.carried.items() if k > oldest}
+        self.forget(now)
         if not self.breaches:
             return None
         return max([*self.breaches.values(), *self.carried.values()])
+
+    def forget(self, now: float) -> None:
+        """Drops what is older than BREACH_MEMORY_S."""
+        oldest = (now - BREACH_MEMORY_S) // LATENCY_WINDOW_S
+        self.breaches = {k: v for k, v in self.breaches.items() if k > oldest}
+        self.carried = {k: v for k, v in self.carried.items() if k > oldest}
 
     def breaking(self, now: float) -> float | None:
         """The load per engine at which a target broke, where no engine was seen to carry
         more within every target (else the breaches were a burst's or a backlog's, not the
         load's); None where unknown."""
-        self.per_engine(now)  # forgets what is older than BREACH_MEMORY_S
+        self.forget(now)
         top = max(self.breaches.values(), default=None)
         if top is None or top < max(self.carried.values(), default=0.0):
             return None
@@ -273,9 +277,9 @@ class EnginesForTargets:
         start_s = self.start_s(now)
         projected = self.trend.ahead(
             now, load, ctx.config.upscale_delay_s + start_s if start_s else 0.0)
-        # Only before a target breaks: once one has (or engines are joining), first tokens
-        # rise with the engines added as a backlog drains, not with what users send.
-        calm = not (scaled_up or joined or resized) and \
+        # Only before a target breaks: once one has (or the fleet is changing size), first
+        # tokens rise with the engines added as a backlog drains, not with what users send.
+        calm = not (scaled_up or resized) and \
             all(v <= 1.0 for k, v in pressures.items() if k in LATENCIES)
         ahead = engines_ahead(projected, self.capacity.breaking(now)) if calm else 0
         engines = engines_for(ctx.current_num_replicas, ctx.target_num_replicas, pressures,
