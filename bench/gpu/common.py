@@ -67,13 +67,18 @@ def rayattn_args(config: str, model: str | None = None, **over: Any) -> dict:
     return args
 
 
-def set_setting(args: dict, setting: str) -> None:
-    """A command line's `parallelism.data_parallel_size=1` (the value read as YAML) into an
-    app's args."""
+def parse_setting(setting: str) -> tuple[str, Any]:
+    """A command line's `parallelism.data_parallel_size=1`: the dotted key, the value read as
+    YAML."""
     key, eq, value = setting.partition("=")
     if not eq:
         raise SystemExit(f"--set: {setting!r} is not KEY=VALUE")
-    set_dotted(args, key, yaml.safe_load(value))
+    return key, yaml.safe_load(value)
+
+
+def set_setting(args: dict, setting: str) -> None:
+    """A command line's `--set KEY=VALUE` into an app's args."""
+    set_dotted(args, *parse_setting(setting))
 
 
 def set_dotted(args: dict, key: str, value: Any) -> None:

@@ -28,8 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import (  # noqa: E402
     RayattnApp,
@@ -38,6 +36,7 @@ from common import (  # noqa: E402
     gpu_processes,
     gpus,
     log,
+    parse_setting,
     rayattn_args,
     series,
     total,
@@ -268,7 +267,7 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
 
-    over = {k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.set)}
+    over = dict(parse_setting(kv) for kv in a.set)
     if a.one_gpu:
         # Both engines on device 0: Ray still hands each replica "one GPU" of the two it is
         # told exist, but does not narrow CUDA_VISIBLE_DEVICES, so each sees GPU 0. vLLM

@@ -156,6 +156,8 @@ def watch(pid: int, run_dir: str | None = None) -> None:
 
     ready = True
     while alive():
+        # Not itself: until its launcher exits (after the first look) the watcher is the
+        # replica's grandchild.
         known.update(descendants(pid, exclude={me}))
         # Forget exited ones so the set does not grow over a long-lived replica.
         known = {p: c for p, c in known.items() if psutil.pid_exists(p)}
