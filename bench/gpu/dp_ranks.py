@@ -37,10 +37,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import RayattnApp, dump, fail, gpu_processes, gpus, log, rayattn_args  # noqa: E402
+from common import (  # noqa: E402
+    RayattnApp,
+    dump,
+    fail,
+    gpu_processes,
+    gpus,
+    log,
+    parse_setting,
+    rayattn_args,
+)
 from report import block_oracle  # noqa: E402
 from routing import chat, workloads  # noqa: E402
 
@@ -234,7 +241,7 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
 
-    over = {**ENGINE, **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in a.set)}}
+    over = {**ENGINE, **dict(parse_setting(kv) for kv in a.set)}
     args = rayattn_args(a.config, a.model, **over)
     name = args["model"]["served_name"]
     variants = a.variants.split(",")
