@@ -38,16 +38,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
-    RayattnApp,
-    dump,
-    fail,
-    gpu_processes,
-    gpus,
-    log,
-    parse_setting,
-    rayattn_args,
-)
+import common  # noqa: E402
+from common import RayattnApp, dump, fail, gpu_processes, gpus, log, rayattn_args  # noqa: E402
 from report import block_oracle  # noqa: E402
 from routing import chat, workloads  # noqa: E402
 
@@ -241,7 +233,7 @@ def main() -> int:
     from rayattn.config.loader import parse_args
     from rayattn.config.plan import build_plan
 
-    over = {**ENGINE, **dict(parse_setting(kv) for kv in a.set)}
+    over = {**ENGINE, **dict(common.parse_setting(kv) for kv in a.set)}
     args = rayattn_args(a.config, a.model, **over)
     name = args["model"]["served_name"]
     variants = a.variants.split(",")
