@@ -301,9 +301,9 @@ def test_a_breach_below_what_the_fleet_carried_does_not_hold_it():
 
 def test_a_load_rising_toward_what_broke_a_target_grows_the_fleet_before_it_breaks():
     """A latency target breaks at queueing's knee, within seconds, and an engine takes tens
-    of seconds to serve (32-47 s on the GPU ramp, where one engine went 0.13 -> 0.62 s in
-    20 s): growing on the breach is late. The policy times the fleet's starts and grows
-    where the load, that far ahead on its trend, reaches what broke the target before."""
+    of seconds to serve (docs/results.md, the GPU ramps): growing on the breach is late.
+    The policy times the fleet's starts and grows where the load, that far ahead on its
+    trend, reaches what broke the target before."""
     policy = EnginesForTargets(ttft_p90_s=0.3)
     assert policy(_ctx(_ttft(0.5, 120), current=1))[0] == 2  # broke at 120 per engine
     # The second engine serves 40 s after the decision; the peak, then the quiet.
