@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import sys
 
 from rayattn.config.loader import ConfigError, load_serve_config, rayattn_apps
@@ -81,12 +80,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
     serve = os.path.join(os.path.dirname(sys.executable), "serve")
     serve = serve if os.access(serve, os.X_OK) else shutil.which("serve") or "serve"
-    # Ctrl-C (SIGINT) is how `serve run` stops and drains: started from a shell's
-    # background job (a CI runner, `make serve &`) it would inherit SIGINT ignored, and
-    # Python then never raises KeyboardInterrupt, so a SIGINT left everything running.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    os.execvp(serve, [serve, "run", args.config])
-    return 0  # pragma: no cover - exec does not return
+    from rayattn import serve_run
+
+    return serve_run.run([serve, "run", args.config])
 
 
 def main(argv: list[str] | None = None) -> int:
