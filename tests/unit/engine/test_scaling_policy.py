@@ -140,11 +140,11 @@ def test_a_latency_from_before_a_scale_up_teaches_no_load():
 
 
 def test_an_engine_that_joins_long_after_the_decision_settles_before_it_counts():
-    """Serve's last_scale_up_time is the decision; a GPU engine served 50-60 s after it. When
-    it joins, the old engine's latency is still the one engine's, and the new one has none:
-    read against two engines it would halve what an engine carries. It still grows the
-    fleet: on a ramp engines join one after another, and a fleet that could not grow while
-    they did fell behind (the simulator's 64-engine ramp: later-turn p50 9 s, not 0.4 s)."""
+    """Serve's last_scale_up_time is the decision; an engine serves tens of seconds after
+    it. When it joins, the old engine's latency is still the one engine's, and the new one
+    has none: read against two engines it would halve what an engine carries. It still
+    grows the fleet: on a ramp engines join one after another, and a fleet that could not
+    grow while they did fell behind (docs/log/autoscale-ramp.md, the simulator's ramp)."""
     policy = EnginesForTargets(ttft_p90_s=0.3)
     assert policy(_ctx(_ttft(0.5, 120), current=1, scaled_up_s_ago=600))[0] == 2
     joined = _ctx(_ttft(0.5, 120, 0), current=2, scaled_up_s_ago=60)
