@@ -81,7 +81,7 @@ def apply(session_header: str = DEFAULT_SESSION_HEADER,
         # adds a 56-character node id.
         own = tempfile.mkdtemp(prefix="rah-", dir="/tmp" if os.path.isdir("/tmp") else None)
         # The cluster this process starts ends with it (a test session, a bench, the
-        # driver); `rayattn serve` execs `serve run`, so one directory per start stays.
+        # driver, `rayattn serve` holding its `serve run`).
         atexit.register(_remove_own, own, os.getpid())
         for k, name in PRIVATE_PATHS.items():
             environ.setdefault(k, os.path.join(own, name) if name else own)
