@@ -20,7 +20,7 @@ LAYERS = [
     {"config"},
     {"engine"},
     {"server"},
-    {"app", "cluster_env"},
+    {"app", "cluster_env", "serve_run"},
     {"bench", "k8s"},
     {"cli"},
 ]
