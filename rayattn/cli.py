@@ -82,7 +82,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     serve = serve if os.access(serve, os.X_OK) else shutil.which("serve") or "serve"
     from rayattn import serve_run
 
-    return serve_run.run([serve, "run", args.config])
+    return serve_run.run([serve, "run", args.config],
+                         drain_s=max(cfg.serve.graceful_shutdown_timeout_s for _, cfg in apps))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,8 +7,11 @@ exits at once, the requests in flight are cut, and Ray's own fatal-signal handle
 process (exit -6, SIGABRT, seen on a GPU host). So `rayattn serve` stays the parent: `serve
 run` runs as its child in a process group of its own (a signal to the parent's group, a
 terminal's Ctrl-C included, reaches the parent alone), and the parent passes the first
-SIGINT or SIGTERM on as SIGINT, any later one as SIGTERM (a second Ctrl-C: stop now without
-the drain). A hangup goes on as a hangup (the terminal closed: as before, and where the
+SIGINT or SIGTERM on as SIGINT, once the front door has no request left in flight (its
+frontends disabled first, rayattn/server/haproxy_admin.py: Serve's shutdown kills HAProxy
+before anything else, which would cut every stream; serve.graceful_shutdown_timeout_s at
+most). A second stop ends that wait; any later one goes on as SIGTERM (stop now, without
+Serve's shutdown). A hangup goes on as a hangup (the terminal closed: as before, and where the
 cluster is already gone a drain would wait for it forever); under `nohup` it stays ignored.
 If the parent itself is killed (SIGKILL), the kernel kills the child too, as when `serve
 run` was the process the signal reached."""
@@ -18,8 +21,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
+import sys
+import time
+from collections.abc import Callable
 from types import FrameType
 
+from rayattn.server import haproxy_admin
 from rayattn.server.haproxy_exec import die_with_parent
 
 _STOPS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -37,8 +44,10 @@ def _child_setup(parent: int) -> None:
         os._exit(1)
 
 
-def run(argv: list[str]) -> int:
-    """Run `argv` (`serve run <config>`) to its end; its exit status, as a shell reports it."""
+def run(argv: list[str], drain_s: float = 0.0) -> int:
+    """Run `argv` (`serve run <config>`) to its end; its exit status, as a shell reports it.
+    `drain_s`: how long a first stop waits for the front door's requests in flight before
+    it reaches `serve run` (serve.graceful_shutdown_timeout_s; 0: no wait)."""
     parent = os.getpid()
     # Held back until the handlers are in place: a stop that came while the child forks
     # would otherwise end the parent alone (and the child by its death signal, undrained).
@@ -67,15 +76,33 @@ def run(argv: list[str]) -> int:
             if signum == signal.SIGHUP:
                 send(signal.SIGHUP)
                 return
-            stops += 1
-            send(signal.SIGINT if stops == 1 else signal.SIGTERM)
+            stops += 1  # passed on by the loop below, after the front door's drain
 
         for s in _STOPS:
             if s != signal.SIGHUP or signal.getsignal(s) is not signal.SIG_IGN:
                 signal.signal(s, forward)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
-    code = child.wait()  # a handler interrupts the wait, PEP 475 resumes it
+    passed = 0
+    while (code := child.poll()) is None:
+        if stops > passed:
+            if passed == 0:
+                if stops == 1 and drain_s > 0:
+                    _drain_front_door(drain_s, lambda: stops > 1)
+                send(signal.SIGINT)
+            else:
+                send(signal.SIGTERM)
+            passed = stops
+        time.sleep(0.1)
     if pidfd is not None:
         os.close(pidfd)
     return 128 - code if code < 0 else code
+
+
+def _drain_front_door(timeout_s: float, stop_waiting: Callable[[], bool]) -> None:
+    paths = haproxy_admin.sockets()
+    if paths:
+        left = haproxy_admin.drain(paths, timeout_s, stop_waiting)
+        if left:
+            print(f"rayattn serve: stopping with {left} requests still in flight",
+                  file=sys.stderr, flush=True)

@@ -10,6 +10,7 @@ on the machine, so the session's cluster must not have started yet."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -17,6 +18,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -182,10 +184,39 @@ def test_ctrl_c_leaves_nothing(app_config, tmp_path):
 
 
 def test_sigterm_to_the_process_group_leaves_nothing(app_config, tmp_path):
-    """A container runtime's or systemd's stop: Serve's shutdown runs as on Ctrl-C."""
+    """A container runtime's or systemd's stop: Serve's shutdown runs as on Ctrl-C, after
+    the front door's requests in flight: a stream running when the SIGTERM comes ends whole
+    (Serve's shutdown alone kills HAProxy first and cuts it)."""
     log = tmp_path / "serve.log"
     proc, t0 = _start(app_config, log)
+    first, ended = threading.Event(), {}
+
+    def stream() -> None:
+        try:
+            with httpx.stream("POST", f"http://127.0.0.1:{PORTS['http']}/v1/chat/completions",
+                              timeout=120, json={
+                                  "model": "tiny-llama", "max_tokens": 400, "ignore_eos": True,
+                                  "stream": True, "stream_options": {"include_usage": True},
+                                  "messages": [{"role": "user", "content": "hello"}]}) as r:
+                for line in r.iter_lines():
+                    first.set()
+                    if line.startswith("data: {"):
+                        body = json.loads(line[6:])
+                        ended["usage"] = body.get("usage") or ended.get("usage")
+                        for choice in body.get("choices", []):
+                            ended["finish"] = choice.get("finish_reason") or ended.get("finish")
+        except httpx.HTTPError as e:
+            ended["error"] = repr(e)
+        finally:
+            first.set()
+
+    client = threading.Thread(target=stream)
+    client.start()
+    assert first.wait(60), "the stream did not start"
     os.killpg(proc.pid, signal.SIGTERM)
+    client.join(120)
+    assert ended.get("finish") == "length" and ended["usage"]["completion_tokens"] == 400, \
+        f"the stream in flight at the SIGTERM: {ended}\n" + log.read_text()[-2000:]
     _assert_nothing_left(proc, t0, log, "SIGTERM to the process group")
 
 

@@ -76,7 +76,7 @@ def test_routing_has_no_transport():
 # routes, which compose forwarding over the fleet; tenancy and prompts stand alone.
 SERVER_ROOMS = [
     {"errors", "background", "loop_watch", "cpu_meter", "router_scaling", "front_door",
-     "haproxy_exec"},
+     "haproxy_exec", "haproxy_admin"},
     {"tenancy", "prompts"},
     {"fleet"},
     {"forwarding"},
