@@ -83,7 +83,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from rayattn import serve_run
 
     return serve_run.run([serve, "run", args.config],
-                         drain_s=max(cfg.serve.graceful_shutdown_timeout_s for _, cfg in apps))
+                         drain_s=max(cfg.serve.front_door_drain_s for _, cfg in apps))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -7,10 +7,10 @@ exits at once, the requests in flight are cut, and Ray's own fatal-signal handle
 process (exit -6, SIGABRT, seen on a GPU host). So `rayattn serve` stays the parent: `serve
 run` runs as its child in a process group of its own (a signal to the parent's group, a
 terminal's Ctrl-C included, reaches the parent alone), and the parent passes the first
-SIGINT or SIGTERM on as SIGINT, once the front door has no request left in flight (its
-frontends disabled first, rayattn/server/haproxy_admin.py: Serve's shutdown kills HAProxy
-before anything else, which would cut every stream; serve.graceful_shutdown_timeout_s at
-most). A second stop ends that wait; any later one goes on as SIGTERM (stop now, without
+SIGINT or SIGTERM on as SIGINT, once the front door has no request left in flight (closed
+to new connections first, rayattn/server/haproxy_admin.py: Serve's shutdown kills HAProxy
+before anything else, which would cut every stream; serve.front_door_drain_s at most). A
+stop during that wait ends it; any other later one goes on as SIGTERM (stop now, without
 Serve's shutdown). A hangup goes on as a hangup (the terminal closed: as before, and where the
 cluster is already gone a drain would wait for it forever); under `nohup` it stays ignored.
 If the parent itself is killed (SIGKILL), the kernel kills the child too, as when `serve
@@ -47,7 +47,7 @@ def _child_setup(parent: int) -> None:
 def run(argv: list[str], drain_s: float = 0.0) -> int:
     """Run `argv` (`serve run <config>`) to its end; its exit status, as a shell reports it.
     `drain_s`: how long a first stop waits for the front door's requests in flight before
-    it reaches `serve run` (serve.graceful_shutdown_timeout_s; 0: no wait)."""
+    it reaches `serve run` (serve.front_door_drain_s; 0: no wait)."""
     parent = os.getpid()
     # Held back until the handlers are in place: a stop that came while the child forks
     # would otherwise end the parent alone (and the child by its death signal, undrained).
@@ -83,16 +83,21 @@ def run(argv: list[str], drain_s: float = 0.0) -> int:
                 signal.signal(s, forward)
     finally:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, _STOPS)
-    passed = 0
+    passed = 0  # the stops acted on
     while (code := child.poll()) is None:
         if stops > passed:
             if passed == 0:
-                if stops == 1 and drain_s > 0:
-                    _drain_front_door(drain_s, lambda: stops > 1)
+                first = stops
+                if first == 1 and drain_s > 0:
+                    _drain_front_door(
+                        drain_s, lambda: stops > 1 or child.poll() is not None)
                 send(signal.SIGINT)
+                # A stop that came during the wait ended it: spent. One after the SIGINT
+                # goes on as SIGTERM at the next turn.
+                passed = first + (stops > first)
             else:
                 send(signal.SIGTERM)
-            passed = stops
+                passed = stops
         time.sleep(0.1)
     if pidfd is not None:
         os.close(pidfd)

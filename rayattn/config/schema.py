@@ -656,6 +656,12 @@ class ServeSettings(_Strict):
     graceful_shutdown_timeout_s: float = Field(300, gt=0)
     """How long a replica that is leaving (redeploy, scale-down, shutdown) lets its
     in-flight requests finish."""
+    front_door_drain_s: float = Field(20, ge=0)
+    """`rayattn serve` on a stop (Ctrl-C, SIGTERM): how long it waits, the front door closed
+    to new connections, for the requests in flight there before Serve's shutdown, which
+    kills HAProxy first (rayattn/serve_run.py); it ends as soon as none is left. A container
+    runtime's or systemd's stop timeout must leave time for it and Serve's shutdown after it
+    (`docker stop`: 10 s by default, systemd: 90 s); 0: no wait."""
     health_check_period_s: float = Field(10, gt=0)
     """How often Serve checks each engine replica (engine liveness, not only the actor)."""
     access_log: bool = False

@@ -4,8 +4,8 @@ Serve's shutdown kills its HAProxy first (ray/serve/_private/haproxy.py, `HAProx
 and only then lets the replicas finish their requests, so a stream in flight through the
 front door is cut by every stop. Before `rayattn serve` passes a stop on to `serve run`
 (rayattn/serve_run.py), it disables the front door's frontends (new connections are
-refused: a load balancer or client retries elsewhere; the requests already in are served)
-and waits until no request is in flight at HAProxy's backends. Streams, not connections,
+refused: a load balancer or client retries elsewhere; the connections already open are
+served) and waits until no request is in flight at HAProxy's backends. Streams, not connections,
 are counted: a client's idle keep-alive connection holds no backend stream.
 
 The socket is Serve's, one per node (`<dir of RAY_SERVE_HAPROXY_SOCKET_PATH>/<node id>/<name>`,
@@ -56,32 +56,62 @@ def in_flight(stat_csv: str) -> int:
                if r.get("svname") == "BACKEND" and r.get("pxname") != "stats")
 
 
+def pid(path: str) -> int | None:
+    """The pid of the HAProxy answering on `path` (`show info`)."""
+    for line in command(path, "show info").splitlines():
+        if line.startswith("Pid:"):
+            return int(line.split(":", 1)[1])
+    return None
+
+
+def _alive(p: int) -> bool:
+    try:
+        os.kill(p, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def drain(paths: list[str], timeout_s: float, stop_waiting: Callable[[], bool],
           poll_s: float = 0.2) -> int:
-    """Disable the frontends behind `paths`, then wait until no request is in flight there,
-    `timeout_s` passes or `stop_waiting()` is true. Returns what was still in flight (0:
-    drained). A socket that does not answer counts as drained: there is nothing to wait for."""
-    live = []
-    for path in paths:
-        try:
-            for name in FRONTENDS:
-                answer = command(path, f"disable frontend {name}").strip()
-                if answer and not answer.startswith("No such frontend"):
-                    log.warning("front door %s: disable frontend %s: %s", path, name, answer)
-            live.append(path)
-        except OSError as e:
-            log.warning("front door %s: not drained (%s)", path, e)
+    """Close the frontends behind `paths` to new connections, then wait until no request is
+    in flight there, `timeout_s` passes or `stop_waiting()` is true. Returns what was still in
+    flight (0: drained). A socket that does not answer counts as drained: there is nothing to
+    wait for. Requests on connections already open still come in (HAProxy's `disable
+    frontend` pauses the listeners only): under steady keep-alive load the wait lasts to its
+    timeout.
+
+    Serve reloads HAProxy when its targets change (a router leaving as the load goes): the
+    new process takes the socket with its frontends open, and the old one finishes its
+    streams unseen. So each look at a socket disables the frontends of a process it has not
+    seen yet, and the wait lasts while an earlier process lives."""
+    seen: dict[str, set[int | None]] = {path: set() for path in paths}
     deadline = time.monotonic() + timeout_s
     left = 0
-    while live:
+    while seen:
         left = 0
-        for path in list(live):
+        for path in list(seen):
             try:
+                now = pid(path)
+                if now not in seen[path]:
+                    _disable(path)
+                    seen[path].add(now)
                 left += in_flight(command(path, "show stat"))
+                earlier = [p for p in seen[path] if p is not None and p != now and _alive(p)]
+                left += len(earlier)  # their streams, unseen: at least one each
             except (OSError, ValueError) as e:
-                log.warning("front door %s: no longer answers (%s)", path, e)
-                live.remove(path)
+                log.warning("front door %s: not drained (%s)", path, e)
+                del seen[path]
         if left == 0 or stop_waiting() or time.monotonic() >= deadline:
             break
         time.sleep(poll_s)
     return left
+
+
+def _disable(path: str) -> None:
+    for name in FRONTENDS:
+        answer = command(path, f"disable frontend {name}").strip()
+        if answer and not answer.startswith("No such frontend"):
+            log.warning("front door %s: disable frontend %s: %s", path, name, answer)

@@ -200,6 +200,7 @@ def test_sigterm_to_the_process_group_leaves_nothing(app_config, tmp_path):
                                   "messages": [{"role": "user", "content": "hello"}]}) as r:
                 for line in r.iter_lines():
                     first.set()
+                    ended["last_chunk"] = time.time()
                     if line.startswith("data: {"):
                         body = json.loads(line[6:])
                         ended["usage"] = body.get("usage") or ended.get("usage")
@@ -213,10 +214,12 @@ def test_sigterm_to_the_process_group_leaves_nothing(app_config, tmp_path):
     client = threading.Thread(target=stream)
     client.start()
     assert first.wait(60), "the stream did not start"
+    t_term = time.time()
     os.killpg(proc.pid, signal.SIGTERM)
     client.join(120)
     assert ended.get("finish") == "length" and ended["usage"]["completion_tokens"] == 400, \
         f"the stream in flight at the SIGTERM: {ended}\n" + log.read_text()[-2000:]
+    assert ended["last_chunk"] > t_term, "the stream had ended before the SIGTERM"
     _assert_nothing_left(proc, t0, log, "SIGTERM to the process group")
 
 

@@ -6,14 +6,19 @@ background job); a second one as SIGTERM; the parent's death kills the child."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
 import pytest
+
+from tests.unit.server.test_haproxy_admin import FakeAdmin
 
 # The child: writes its pid; on KeyboardInterrupt (SIGINT handled as Python does by default)
 # writes "INT" and exits 0, or with "linger" waits (a drain) until a SIGTERM ends it.
@@ -31,14 +36,16 @@ except KeyboardInterrupt:
 """
 
 
-def _start(tmp_path: Path, mode: str = "exit") -> tuple[subprocess.Popen, Path]:
+def _start(tmp_path: Path, mode: str = "exit", drain_s: float = 0,
+           env: dict[str, str] | None = None) -> tuple[subprocess.Popen, Path]:
     log = tmp_path / "child.log"
     child = tmp_path / "child.py"
     child.write_text(CHILD)
     parent = subprocess.Popen(
         [sys.executable, "-c", "import sys; from rayattn import serve_run; "
-         f"sys.exit(serve_run.run([sys.executable, {str(child)!r}, {str(log)!r}, {mode!r}]))"],
-        start_new_session=True,
+         f"sys.exit(serve_run.run([sys.executable, {str(child)!r}, {str(log)!r}, {mode!r}], "
+         f"drain_s={drain_s}))"],
+        start_new_session=True, env={**os.environ, **(env or {})},
         # As a shell's background job starts it: SIGINT ignored, which exec keeps.
         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     deadline = time.time() + 60
@@ -58,11 +65,17 @@ def _lines(log: Path) -> list[str]:
 
 def test_a_sigterm_to_the_group_reaches_the_child_once_as_sigint(tmp_path):
     parent, log = _start(tmp_path)
-    # Its own process group: a signal to the parent's group does not reach it directly.
-    assert os.getpgid(_child(log).pid) != os.getpgid(parent.pid)
-    os.killpg(parent.pid, signal.SIGTERM)
-    assert parent.wait(timeout=60) == 0
-    assert _lines(log) == ["INT"]
+    child = _child(log)
+    try:
+        # Its own process group: a signal to the parent's group does not reach it directly.
+        assert os.getpgid(child.pid) != os.getpgid(parent.pid)
+        os.killpg(parent.pid, signal.SIGTERM)
+        assert parent.wait(timeout=60) == 0
+        assert _lines(log) == ["INT"]
+    finally:
+        parent.kill()
+        if child.is_running():
+            child.kill()
 
 
 def test_a_second_signal_stops_it_without_the_drain(tmp_path):
@@ -92,3 +105,49 @@ def test_the_child_dies_with_the_parent(tmp_path):
     finally:
         if child.is_running():
             child.kill()
+
+
+@pytest.fixture
+def front_door(tmp_path_factory) -> Iterator[tuple[FakeAdmin, dict[str, str]]]:
+    """A stand-in for the cluster's HAProxy admin socket with one stream in flight, and the
+    environment that points `rayattn serve` at it."""
+    d = tempfile.mkdtemp(prefix="rah-t", dir="/tmp")  # AF_UNIX paths are short
+    os.mkdir(os.path.join(d, "node1"))
+    fake = FakeAdmin(os.path.join(d, "node1", "admin.sock"), 1, falls=False)
+    yield fake, {"RAY_SERVE_HAPROXY_SOCKET_PATH": os.path.join(d, "admin.sock")}
+    fake.close()
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_stop_reaches_the_child_once_the_front_door_has_drained(tmp_path, front_door):
+    fake, env = front_door
+    parent, log = _start(tmp_path, drain_s=60, env=env)
+    try:
+        os.killpg(parent.pid, signal.SIGTERM)
+        deadline = time.time() + 60
+        while fake.commands.count("show stat") < 3:  # closed, and looked at a few times
+            assert time.time() < deadline, f"no drain: {fake.commands}"
+            time.sleep(0.05)
+        assert "disable frontend http_frontend" in fake.commands
+        assert _lines(log) == []  # still waiting for the stream in flight
+        fake.streams = 0
+        assert parent.wait(timeout=60) == 0
+        assert _lines(log) == ["INT"]
+    finally:
+        parent.kill()
+
+
+def test_a_second_stop_ends_the_drain(tmp_path, front_door):
+    fake, env = front_door
+    parent, log = _start(tmp_path, drain_s=60, env=env)
+    try:
+        os.killpg(parent.pid, signal.SIGTERM)
+        deadline = time.time() + 60
+        while "show stat" not in fake.commands:
+            assert time.time() < deadline, f"no drain: {fake.commands}"
+            time.sleep(0.05)
+        os.killpg(parent.pid, signal.SIGINT)  # Ctrl-C again: stop waiting, not SIGTERM
+        assert parent.wait(timeout=60) == 0
+        assert _lines(log) == ["INT"]
+    finally:
+        parent.kill()
