@@ -119,15 +119,20 @@ def front_door(tmp_path_factory) -> Iterator[tuple[FakeAdmin, dict[str, str]]]:
     shutil.rmtree(d, ignore_errors=True)
 
 
+def _stop_and_see_the_drain(parent: subprocess.Popen, fake: FakeAdmin, looks: int) -> None:
+    """SIGTERM to the parent's group, then wait until the drain looked `looks` times."""
+    os.killpg(parent.pid, signal.SIGTERM)
+    deadline = time.time() + 60
+    while fake.commands.count("show stat") < looks:
+        assert time.time() < deadline, f"no drain: {fake.commands}"
+        time.sleep(0.05)
+
+
 def test_a_stop_reaches_the_child_once_the_front_door_has_drained(tmp_path, front_door):
     fake, env = front_door
     parent, log = _start(tmp_path, drain_s=60, env=env)
     try:
-        os.killpg(parent.pid, signal.SIGTERM)
-        deadline = time.time() + 60
-        while fake.commands.count("show stat") < 3:  # closed, and looked at a few times
-            assert time.time() < deadline, f"no drain: {fake.commands}"
-            time.sleep(0.05)
+        _stop_and_see_the_drain(parent, fake, looks=3)  # closed, and looked at a few times
         assert "disable frontend http_frontend" in fake.commands
         assert _lines(log) == []  # still waiting for the stream in flight
         fake.streams = 0
@@ -141,11 +146,7 @@ def test_a_second_stop_ends_the_drain(tmp_path, front_door):
     fake, env = front_door
     parent, log = _start(tmp_path, drain_s=60, env=env)
     try:
-        os.killpg(parent.pid, signal.SIGTERM)
-        deadline = time.time() + 60
-        while "show stat" not in fake.commands:
-            assert time.time() < deadline, f"no drain: {fake.commands}"
-            time.sleep(0.05)
+        _stop_and_see_the_drain(parent, fake, looks=1)
         os.killpg(parent.pid, signal.SIGINT)  # Ctrl-C again: stop waiting, not SIGTERM
         assert parent.wait(timeout=60) == 0
         assert _lines(log) == ["INT"]
