@@ -22,6 +22,8 @@ import socket
 import time
 from collections.abc import Callable
 
+import psutil
+
 log = logging.getLogger("rayattn.serve")
 
 FRONTENDS = ("http_frontend", "grpc_frontend")
@@ -64,16 +66,6 @@ def pid(path: str) -> int | None:
     return None
 
 
-def _alive(p: int) -> bool:
-    try:
-        os.kill(p, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def drain(paths: list[str], timeout_s: float, stop_waiting: Callable[[], bool],
           poll_s: float = 0.2) -> int:
     """Close the frontends behind `paths` to new connections, then wait until no request is
@@ -99,7 +91,8 @@ def drain(paths: list[str], timeout_s: float, stop_waiting: Callable[[], bool],
                     _disable(path)
                     seen[path].add(now)
                 left += in_flight(command(path, "show stat"))
-                earlier = [p for p in seen[path] if p is not None and p != now and _alive(p)]
+                earlier = [p for p in seen[path]
+                           if p is not None and p != now and psutil.pid_exists(p)]
                 left += len(earlier)  # their streams, unseen: at least one each
             except (OSError, ValueError) as e:
                 log.warning("front door %s: not drained (%s)", path, e)
