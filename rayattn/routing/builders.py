@@ -40,15 +40,15 @@ class PolicyBuilder:
 
 
 def new_kv_budget(settings: RoutingSettings, clock: Callable[[], float],
-                  routers: Callable[[], int], members_of: KVBudget | None = None
-                  ) -> KVBudget:
+                  routers: Callable[[], int], block_size: Callable[[], int],
+                  members_of: KVBudget | None = None) -> KVBudget:
     """Cache-pressure admission's bookkeeping, empty but for the members (capacities,
     running requests, host tiers) and the learned pauses of `members_of`: a cold start
     empties the engines' caches, not their membership, the requests they run or the
     clients' think time."""
     kv = KVBudget(settings.conversation_idle_s, settings.kv_admission_fill, clock,
                   settings.kv_admission_protect, climbs=settings.kv_admission == "auto",
-                  routers=routers)
+                  routers=routers, block_size=block_size)
     if members_of is not None:
         kv.capacity, kv.running = members_of.capacity, members_of.running
         kv.host_tier = members_of.host_tier

@@ -82,7 +82,7 @@ class RoutingCore:
         self.decisions = DecisionLog(clock=clock)
         self.regret_tokens = self.decisions.regret_tokens
         self.session_moves = self.decisions.session_moves
-        self.kv = new_kv_budget(settings, clock, self.load.routers)
+        self.kv = new_kv_budget(settings, clock, self.load.routers, lambda: self.block_size)
         """Cache-pressure admission's bookkeeping (the dispatcher gates on it when
         router.kv_admission is on)."""
 
@@ -177,7 +177,8 @@ class RoutingCore:
         d.kv_held = self.kv.dispatched(d.replica, route.session, route.prompt_tokens,
                                        route.max_tokens,
                                        (route.continued_tokens, d.predicted_cached_tokens)
-                                       if learns else None, d.predicted_cached_tokens)
+                                       if learns else None, d.predicted_cached_tokens,
+                                       route.keys)
         self.load.acquire(d.replica, d.uncached_tokens)
         self.adapters.dispatched(d.replica, route.adapter)
         d.adapter = route.adapter
@@ -216,16 +217,15 @@ class RoutingCore:
         """The candidates that can take `route` now without pushing a live conversation's
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
-        # A prefix other conversations left there (a system or tool prompt) adds nothing;
-        # matched once per request (a held one looks again at every release).
-        cached = route.kv_cached
-        if cached is None or any(r not in cached for r in candidates):
-            held, _ = self.index.match_tiers(route.keys)
-            cached = route.kv_cached = {
-                r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
-                for r in candidates}
+        # A prefix other conversations left there (a system or tool prompt) adds nothing.
+        # Matched at every look: a request held since a burst began finds the prefix its
+        # siblings have cached since (only the first held new conversation and continuing
+        # ones look at each release: server/forwarding/candidates.py).
+        held, _ = self.index.match_tiers(route.keys)
+        cached = {r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
+                  for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
-                            cached)
+                            cached, route.keys)
 
     # --- engines that come and go (routing/warm_plan.py) --------------------------------
     @property
@@ -319,7 +319,7 @@ class RoutingCore:
                                            self.block_size)
         self.decisions.clear()
         self.kv = new_kv_budget(self.settings, self._clock, self.load.routers,
-                                members_of=self.kv)
+                                lambda: self.block_size, members_of=self.kv)
         return self.policy.name
 
     def snapshot(self) -> CoreSnapshot:

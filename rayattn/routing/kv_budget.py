@@ -15,8 +15,10 @@ router keeps, per engine, the tokens of
     engine before it came (a system or tool prompt many conversations share is in the
     cache once, not once per conversation),
 
-and admits a new conversation (or one moving in) only where running + live histories + what
-it adds fits the engine's KV capacity, and a live conversation's next turn where running +
+and the prefixes its live conversations share (a system or tool prompt: cached once, counted
+once, and by each router replica for its share of the cache), and admits a new conversation
+(or one moving in) only where running + live histories + shared prefixes + what it adds fits
+the engine's KV capacity, and a live conversation's next turn where running +
 its new tokens fit: continuing conversations get in first, new ones wait until a
 conversation goes quiet, in the order they came. (Live histories that outgrow the cache by
 themselves still evict each other; admission only stops newcomers from adding to that.) An
@@ -66,7 +68,7 @@ from __future__ import annotations
 
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_OUTPUT_TOKENS = 256
@@ -113,7 +115,13 @@ class _Conversation:
     running: int = 0
     shared: int = 0
     """Tokens of its history that were cached on `replica` before it came (a system or tool
-    prompt other conversations share): they are in the cache once for all of them."""
+    prompt other conversations share), or that a conversation that came later was found to
+    share with it: they are in the cache once for all of them."""
+    keys: Sequence[int] = ()
+    """Its first prompt's block keys, while nothing of it is known to be shared: a later
+    conversation that finds a prefix of them cached tells it what it brought for all."""
+    prefix: tuple[int, int] | None = None
+    """The shared prefix it continues (its last block's key, its tokens)."""
 
     @property
     def own(self) -> int:
@@ -124,9 +132,13 @@ class _Conversation:
 class KVBudget:
     def __init__(self, idle_s: float | None = None, fill: float | None = None,
                  clock: Callable[[], float] = time.monotonic, protect: str = "auto",
-                 climbs: bool = False, routers: Callable[[], int] = lambda: 1) -> None:
+                 climbs: bool = False, routers: Callable[[], int] = lambda: 1,
+                 block_size: Callable[[], int] = lambda: 16) -> None:
         """`climbs`: router.kv_admission auto (see the module doc); `routers`: the router
-        replicas sending to the engines, this one included (LoadTracker.routers)."""
+        replicas sending to the engines, this one included (LoadTracker.routers);
+        `block_size`: the engines' (a shared prefix is whole blocks; the first engine up
+        may change it)."""
+        self.block_size = block_size
         self.idle_s, self._clock = idle_s, clock
         """router.conversation_idle_s (None: learned, see window_s)."""
         self.climbs = climbs
@@ -146,6 +158,12 @@ class KVBudget:
         """Per engine: tokens of the histories of conversations with a turn in flight."""
         self.host_tier: set[str] = set()
         """Engines with a host-memory KV tier."""
+        self.prefixes: dict[str, dict[int, list[int]]] = {}
+        """Per engine: the prefixes its live conversations share, by their last block's key:
+        [tokens, conversations using it]."""
+        self._origins: dict[tuple[str, int], set[str]] = {}
+        """(engine, first block key) -> live conversations that came to it with nothing
+        cached and may have brought a prefix others now share."""
         self._backoff: dict[str, float] = {}
         """Per engine: its fill now as a share of its ceiling (see the module doc; a share,
         so a new ceiling applies at once)."""
@@ -176,7 +194,8 @@ class KVBudget:
         self.active.pop(replica, None)
         self.host_tier.discard(replica)
         for s in [s for s, c in self._live.items() if c.replica == replica]:
-            del self._live[s]
+            self._drop(s, self._live.pop(s))
+        self.prefixes.pop(replica, None)
 
     # --- queries ------------------------------------------------------------------------
     def ceiling(self, replica: str) -> float:
@@ -247,16 +266,18 @@ class KVBudget:
         return max(0, prompt_tokens - max(_held(conv, replica), cached_tokens)) + max_tokens
 
     def room(self, candidates: list[str], session: str | None, prompt_tokens: int,
-             max_tokens: int, cached: Mapping[str, int] | None = None) -> list[str]:
+             max_tokens: int, cached: Mapping[str, int] | None = None,
+             keys: Sequence[int] = ()) -> list[str]:
         """The candidates that can take the request now without pushing a live
         conversation's history out of their cache. `cached`: tokens of the prompt each
-        candidate has cached. A request bigger than this router's budget of every candidate
-        by itself goes at once: waiting cannot make room for it."""
+        candidate has cached; `keys`: the prompt's block keys (which prefix that is). A
+        request bigger than this router's budget of every candidate by itself goes at once:
+        waiting cannot make room for it."""
         self._expire()
         conv = self._live.get(session) if session else None
         cached = cached or {}
         out = [r for r in candidates
-               if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))]
+               if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0), keys)]
         if not out and candidates and all(
                 self._need(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))
                 > self.budget(r) for r in candidates):
@@ -280,7 +301,7 @@ class KVBudget:
         return max(0, prompt_tokens - max(_held(conv, r), cached_tokens)) + max_tokens
 
     def _fits(self, r: str, conv: _Conversation | None, prompt_tokens: int,
-              max_tokens: int, cached_tokens: int) -> bool:
+              max_tokens: int, cached_tokens: int, keys: Sequence[int] = ()) -> bool:
         cap = self.capacity.get(r)
         if cap is None or not self.running[r]:
             return True
@@ -293,7 +314,15 @@ class KVBudget:
             # A conversation live here only has to fit next to what runs: the live
             # histories are what admission protects from newcomers, not from each
             # other.
-            protected = 0 if conv is not None and conv.replica == r else self.reserved[r]
+            if conv is not None and conv.replica == r:
+                protected = 0.0
+            else:
+                protected = self.reserved[r] + self.shared_tokens(r) * self.share
+                # A prefix it shares with conversations that brought it becomes shared as
+                # it comes: theirs no longer, counted once.
+                prefix, bringers = self._sharing(r, keys, min(cached_tokens, prompt_tokens))
+                if bringers:
+                    protected += prefix[1] * self.share - sum(m for _, m in bringers)
         need = self._need(r, conv, prompt_tokens, max_tokens, cached_tokens)
         return self.running[r] + protected + need <= self.budget(r)
 
@@ -303,6 +332,11 @@ class KVBudget:
         cap = self.capacity.get(replica)
         return float("inf") if cap is None else self.fill_of(replica) * cap * self.share
 
+    def shared_tokens(self, replica: str) -> int:
+        """Tokens of the prefixes `replica`'s live conversations share: cached once for every
+        router replica, so each counts its share of them."""
+        return sum(t for t, _ in self.prefixes.get(replica, {}).values())
+
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":
             return replica in self.host_tier
@@ -311,12 +345,13 @@ class KVBudget:
     # --- lifecycle ----------------------------------------------------------------------
     def dispatched(self, replica: str, session: str | None, prompt_tokens: int,
                    max_tokens: int, continued: tuple[int, int] | None = None,
-                   cached_tokens: int = 0) -> int:
+                   cached_tokens: int = 0, keys: Sequence[int] = ()) -> int:
         """A request is sent to `replica`; returns the running tokens it holds until
         `ended`. `continued`: (tokens it shares with its conversation's previous prompt and
         answer, tokens the router's index predicts cached there), for the fill to learn
         whether the history was kept; None: nothing to learn from. `cached_tokens`: of its
-        prompt, predicted cached there (a conversation new there shares that much)."""
+        prompt, predicted cached there (a conversation new there shares that much); `keys`:
+        its prompt's block keys (which prefix that is)."""
         now = self._clock()
         if not session:
             held = prompt_tokens + max_tokens
@@ -334,16 +369,25 @@ class KVBudget:
                 self.reserved[conv.replica] -= conv.own
                 if conv.running:
                     self.active[conv.replica] -= conv.own
+                self._drop(session, conv)
             running = conv.running if conv is not None else 0
             # What was cached there before it came is shared; back home (live or gone
             # quiet) it stays what it was, the rest of what is cached being its own.
             home = conv if conv is not None else gone
-            shared = home.shared if home is not None and home.replica == replica \
-                else min(cached_tokens, prompt_tokens)
+            if home is not None and home.replica == replica:
+                new = _Conversation(replica, prompt_tokens, now, running + 1, home.shared,
+                                    home.keys, home.prefix)
+            else:
+                new = _Conversation(replica, prompt_tokens, now, running + 1,
+                                    min(cached_tokens, prompt_tokens))
+                if new.shared:
+                    new.prefix = self._found_shared(replica, keys, new.shared)
+                elif keys:
+                    new.keys = keys
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
-            conv = _Conversation(replica, prompt_tokens, now, running + 1, shared)
-            self._live[session] = conv
+            self._live[session] = conv = new
+            self._hold(session, conv)
             self.reserved[replica] += conv.own
             self.active[replica] += conv.own
             held = max_tokens
@@ -361,6 +405,65 @@ class KVBudget:
         else:
             share = max(min(1.0, FILL_FLOOR / top), min(share, 1.0) * FILL_BACKOFF)
         self._backoff[replica] = share
+
+    def _sharing(self, replica: str, keys: Sequence[int], tokens: int
+                 ) -> tuple[tuple[int, int] | None, list[tuple[str, int]]]:
+        """A conversation new on `replica` finds `tokens` of its prompt (`keys`) cached
+        there: the prefix it shares (its last block's key, its tokens; None for none), and
+        the live conversations that came with nothing cached and start with it (they
+        brought it and have counted it as their own), with how much of it each counted."""
+        bs = self.block_size()
+        n = min(tokens // bs, len(keys))
+        if n == 0:
+            return None, []
+        prefix = (keys[n - 1], n * bs)  # chained keys: the whole prefix
+        bringers = []
+        for s in self._origins.get((replica, keys[0]), ()):
+            c = self._live[s]
+            if len(c.keys) >= n and c.keys[n - 1] == prefix[0]:
+                bringers.append((s, min(prefix[1], c.tokens) - c.shared))
+        return prefix, bringers
+
+    def _found_shared(self, replica: str, keys: Sequence[int],
+                      tokens: int) -> tuple[int, int] | None:
+        """`_sharing`, applied: from now on the prefix is shared, not its bringers'."""
+        prefix, bringers = self._sharing(replica, keys, tokens)
+        for s, moved in bringers:
+            conv = self._live[s]
+            self._drop(s, conv)
+            conv.shared += moved
+            self.reserved[replica] -= moved
+            if conv.running:
+                self.active[replica] -= moved
+            conv.keys, conv.prefix = (), prefix
+            self._hold(s, conv)
+        return prefix
+
+    def _hold(self, session: str, conv: _Conversation) -> None:
+        """`conv` (live) counts as using its shared prefix, or as one that may have
+        brought one."""
+        if conv.prefix is not None:
+            key, tokens = conv.prefix
+            entry = self.prefixes.setdefault(conv.replica, {}).setdefault(key, [tokens, 0])
+            entry[1] += 1
+        elif conv.keys:
+            self._origins.setdefault((conv.replica, conv.keys[0]), set()).add(session)
+
+    def _drop(self, session: str, conv: _Conversation) -> None:
+        """`conv` is no longer live (or is about to be replaced): undoes `_hold`."""
+        if conv.prefix is not None:
+            held = self.prefixes.get(conv.replica, {})
+            entry = held.get(conv.prefix[0])
+            if entry is not None:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del held[conv.prefix[0]]
+        elif conv.keys:
+            origins = self._origins.get((conv.replica, conv.keys[0]))
+            if origins is not None:
+                origins.discard(session)
+                if not origins:
+                    del self._origins[(conv.replica, conv.keys[0])]
 
     def finished(self, replica: str, session: str | None, context_tokens: int) -> None:
         """The turn ran to its end: the conversation's history is now `context_tokens`."""
@@ -393,6 +496,7 @@ class KVBudget:
                 expired.append(s)
         for s in expired:
             conv = self._live.pop(s)
+            self._drop(s, conv)
             self.reserved[conv.replica] -= conv.own
             if self.idle_s is None:
                 self._gone.pop(s, None)  # newest last

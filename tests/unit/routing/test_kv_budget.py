@@ -496,11 +496,70 @@ def test_the_core_counts_what_the_index_holds_of_a_new_session_as_shared():
         assert core.kv_room(route, ["e0"]) == ["e0"]
         d = core.choose(route, ["e0"])
         core.dispatched(d, route)
-    # s1 found the tool prompt cached: only its own 400 tokens are reserved for it.
-    assert core.kv.reserved["e0"] == 3_408 + 400
+    # s1 found the tool prompt cached: only its own 400 tokens are reserved for it, and s0,
+    # which brought it, now shares it: the prompt is counted once, apart.
+    assert core.kv.reserved["e0"] == 400 + 400 and core.kv.shared_tokens("e0") == 3_008
     route = core.request(tools + [60_000] * 3_000, session="s2")
     route.max_tokens = 10
-    assert core.kv_room(route, ["e0"]) == ["e0"]  # 3,808 + 20 + 3,010 ≤ 8,000
+    assert core.kv_room(route, ["e0"]) == ["e0"]  # 800 + 3,008 + 20 + 3,010 ≤ 8,000
+
+
+def test_a_prefix_its_bringer_shares_is_counted_once_and_each_router_counts_its_share():
+    """Agents' sessions start at once on four routers: on each, the first session of an
+    agent brings its tool prompt. Counted as that session's own history, two prompts
+    filled a router's quarter of the cache, and the agents' next sessions waited for
+    those to end (3.5 s on two H200s, bench/results: the agent loop under pressure)."""
+    now = [0.0]
+    kv = KVBudget(idle_s=5.0, fill=1.0, clock=lambda: now[0], routers=lambda: 4,
+                  block_size=lambda: 16)
+    kv.joined("e0", 34_400)  # a quarter of it: 8,600 tokens
+    tools = {a: [a * 1_000 + k for k in range(250)] for a in (1, 2)}  # 4,000 tokens each
+    for a in (1, 2):  # each agent's first session, nothing cached yet
+        kv.dispatched("e0", f"a{a}-0", 4_200, 32, cached_tokens=0, keys=tools[a] + [a])
+    assert kv.reserved["e0"] == 8_400
+    # Counted as theirs, the prompts leave no room: 64 running + 8,400 + 232 > 8,600.
+    assert kv.room(["e0"], "a1-1", 4_200, 32, cached={"e0": 4_000}) == []
+    # Shared as the next session comes, they do: 64 + 4,400 + 4,000 / 4 + 232 ≤ 8,600.
+    assert kv.room(["e0"], "a1-1", 4_200, 32, cached={"e0": 4_000},
+                   keys=tools[1] + [7]) == ["e0"]
+    # The second session of agent 1 found its prompt cached: it is shared from now on.
+    kv.dispatched("e0", "a1-1", 4_200, 32, cached_tokens=4_000, keys=tools[1] + [7])
+    assert kv.reserved["e0"] == 200 + 4_200 + 200 and kv.shared_tokens("e0") == 4_000
+    # 4,600 own + 4,000 / 4 shared + running 96 + 232 ≤ 8,600: the next one fits.
+    assert kv.room(["e0"], "a1-2", 4_200, 32, cached={"e0": 4_000}) == ["e0"]
+    # Another agent's prompt that starts alike but differs is not taken for it.
+    kv.dispatched("e0", "b-0", 4_200, 32, cached_tokens=0, keys=tools[1][:10] + tools[2])
+    kv.dispatched("e0", "b-1", 4_200, 32, cached_tokens=160, keys=tools[1][:10] + [9])
+    assert kv.shared_tokens("e0") == 4_000 + 160
+    assert kv._live["a1-0"].shared == 4_000 and kv._live["a2-0"].shared == 0
+    # The prefix counts while a session using it is live, and goes with the last one.
+    for s in list(kv._live):
+        kv.ended("e0", s, 32)
+    now[0] = 10.0
+    assert kv.room(["e0"], "z", 100, 10) == ["e0"]  # expires the quiet sessions
+    assert kv.shared_tokens("e0") == 0 and kv.reserved["e0"] == 0 and not kv._origins
+
+
+def test_a_held_request_looks_again_at_what_its_siblings_cached_meanwhile():
+    core = RoutingCore(RouterConfig(index="predicted", kv_admission_fill=1.0)
+                       .routing_settings(), 16)
+    core.joined("e0", 16, 500)  # 8,000 tokens
+    tools = list(range(3_008))
+    first = core.request(tools + [1] * 16, session="s0")
+    later = core.request(tools + [2] * 16, session="s1")
+    for route in (first, later):
+        route.max_tokens = 10
+    busy = core.request([9] * 4_900, session="other")
+    busy.max_tokens = 100
+    d = core.choose(busy, ["e0"])
+    core.dispatched(d, busy)
+    assert core.kv_room(later, ["e0"]) == []  # 100 + 4,900 + 3,034 > 8,000
+    core.dispatched(core.choose(first, ["e0"]), first)  # its sibling ran: the prompt cached
+    core.ended(d)
+    # Looking again, s1 needs only its own 16 tokens and shares the prompt s0 brought:
+    # 10 running + 4,900 + 16 + 3,008 + 26 ≤ 8,000. With what it matched at its first look
+    # (nothing cached) it would count the prompt twice and wait on.
+    assert core.kv_room(later, ["e0"]) == ["e0"]
 
 
 def test_a_conversation_back_after_its_window_keeps_what_it_shared():
