@@ -117,7 +117,12 @@ def run_format(config: str, model: str | None, kv_dtype: str, chats: list,
     parent, child = ctx.Pipe(duplex=False)
     p = ctx.Process(target=answers, args=(config, model, kv_dtype, chats, max_tokens, child))
     p.start()
-    got = parent.recv()
+    child.close()  # the child's end only: a child that dies unsent ends recv() with EOFError
+    try:
+        got = parent.recv()
+    except EOFError:
+        p.join()
+        got = {"error": f"the engine's process exited {p.exitcode} with no answers"}
     p.join()
     if "error" in got:
         raise SystemExit(f"kv_cache_dtype={kv_dtype}: {got['error']}")
