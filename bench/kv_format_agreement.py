@@ -11,7 +11,8 @@ Prompts: short instructions (written here) and long-context ones (doc_chat's doc
 `--doc-words` words, then the conversation's first and second turns, the second extending
 the first's cached prefix, as users' later turns do). Per format: the share of prompts
 answered token for token as the reference did, the mean share of each reference answer
-matched before the first differing token, and the median position of that token. Greedy
+matched before the first differing token, and the p50 position of that token
+(rayattn.bench.stats.percentile: the upper median). Greedy
 decoding amplifies one flipped token into a different continuation, so the second and third
 figures say more than the first. Each format runs in a process of its own (vLLM's offline
 `LLM`, the engine arguments rayattn's plan gives its engines, the KV format changed).
@@ -130,7 +131,10 @@ def run_format(config: str, model: str | None, kv_dtype: str, chats: list,
 
 
 def agreement(ref: list[list[int]], alt: list[list[int]]) -> dict[str, float]:
-    """How closely `alt`'s answers follow `ref`'s, prompt by prompt."""
+    """How closely `alt`'s answers follow `ref`'s, prompt by prompt (nothing to compare:
+    an empty dict)."""
+    if not ref:
+        return {}
     same, matched, firsts = 0, [], []
     for a, b in zip(ref, alt, strict=True):
         n = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),

@@ -218,12 +218,17 @@ class RoutingCore:
         history out of their KV cache (routing/kv_budget.py). Sessions are spread over the
         router replicas, so each budgets its share of every engine's cache."""
         # A prefix other conversations left there (a system or tool prompt) adds nothing.
-        # Matched at every look: a request held since a burst began finds the prefix its
-        # siblings have cached since (only the first held new conversation and continuing
-        # ones look at each release: server/forwarding/candidates.py).
-        held, _ = self.index.match_tiers(route.keys)
-        cached = {r: min(route.prompt_tokens, held.get(r, 0) * self.block_size)
-                  for r in candidates}
+        # A new conversation matches again at every look: held since a burst began, it finds
+        # the prefix its siblings have cached meanwhile (only the first held new
+        # conversation looks at each release: server/forwarding/candidates.py). A live one
+        # is measured by its own history at home: once is enough.
+        cached = route.kv_cached
+        if cached is None or any(r not in cached for r in candidates) or \
+                not self.kv.is_live(route.session):
+            held, _ = self.index.match_tiers(route.keys)
+            cached = route.kv_cached = {
+                r: policies.cached_tokens(route.prompt_tokens, held.get(r, 0), self.block_size)
+                for r in candidates}
         return self.kv.room(candidates, route.session, route.prompt_tokens, route.max_tokens,
                             cached, route.keys)
 

@@ -67,9 +67,12 @@ requests and wakes them, continuing conversations first, when load is released.
 from __future__ import annotations
 
 import time
+from array import array
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+
+from rayattn.routing.shared_prefixes import SharedPrefixes
 
 DEFAULT_OUTPUT_TOKENS = 256
 """Output a request is expected to add when it names no max_tokens."""
@@ -118,10 +121,12 @@ class _Conversation:
     prompt other conversations share), or that a conversation that came later was found to
     share with it: they are in the cache once for all of them."""
     keys: Sequence[int] = ()
-    """Its first prompt's block keys, while nothing of it is known to be shared: a later
-    conversation that finds a prefix of them cached tells it what it brought for all."""
+    """Its first prompt's block keys on `replica` (while live): a conversation that comes
+    later and finds a longer prefix of them cached than this one shares tells it that it
+    brought that much for both."""
     prefix: tuple[int, int] | None = None
-    """The shared prefix it continues (its last block's key, its tokens)."""
+    """The shared prefix it uses (routing/shared_prefixes.py): its last block's key and its
+    blocks, the first of `keys`."""
 
     @property
     def own(self) -> int:
@@ -158,12 +163,11 @@ class KVBudget:
         """Per engine: tokens of the histories of conversations with a turn in flight."""
         self.host_tier: set[str] = set()
         """Engines with a host-memory KV tier."""
-        self.prefixes: dict[str, dict[int, list[int]]] = {}
-        """Per engine: the prefixes its live conversations share, by their last block's key:
-        [tokens, conversations using it]."""
+        self.prefixes = SharedPrefixes()
+        """Per engine: the prefixes its live conversations share, counted once."""
         self._origins: dict[tuple[str, int], set[str]] = {}
-        """(engine, first block key) -> live conversations that came to it with nothing
-        cached and may have brought a prefix others now share."""
+        """(engine, first block key) -> the live conversations new there that began with
+        it: one of them may have brought a prefix others come to share."""
         self._backoff: dict[str, float] = {}
         """Per engine: its fill now as a share of its ceiling (see the module doc; a share,
         so a new ceiling applies at once)."""
@@ -195,7 +199,7 @@ class KVBudget:
         self.host_tier.discard(replica)
         for s in [s for s, c in self._live.items() if c.replica == replica]:
             self._drop(s, self._live.pop(s))
-        self.prefixes.pop(replica, None)
+        self.prefixes.forget(replica)
 
     # --- queries ------------------------------------------------------------------------
     def ceiling(self, replica: str) -> float:
@@ -309,7 +313,8 @@ class KVBudget:
             # Quiet histories are safe in the host tier: protect only those in use.
             own = conv.own if conv is not None and conv.replica == r and \
                 conv.running else 0
-            protected = self.active[r] - own
+            # The shared prefixes too: the conversations using them run most of the time.
+            protected = self.active[r] - own + self.prefixes.tokens(r) * self.share
         else:
             # A conversation live here only has to fit next to what runs: the live
             # histories are what admission protects from newcomers, not from each
@@ -317,12 +322,13 @@ class KVBudget:
             if conv is not None and conv.replica == r:
                 protected = 0.0
             else:
-                protected = self.reserved[r] + self.shared_tokens(r) * self.share
-                # A prefix it shares with conversations that brought it becomes shared as
-                # it comes: theirs no longer, counted once.
-                prefix, bringers = self._sharing(r, keys, min(cached_tokens, prompt_tokens))
-                if bringers:
-                    protected += prefix[1] * self.share - sum(m for _, m in bringers)
+                # As it comes, a prefix it shares is counted once, apart (its share of it),
+                # and no longer in the histories of the conversations that brought it.
+                blocks, bringers = self._sharing(r, keys, cached_tokens)
+                added = self.prefixes.added_by(r, keys, blocks, self.block_size()) \
+                    if blocks else 0
+                protected = self.reserved[r] - sum(m for _, m in bringers) + \
+                    (self.prefixes.tokens(r) + added) * self.share
         need = self._need(r, conv, prompt_tokens, max_tokens, cached_tokens)
         return self.running[r] + protected + need <= self.budget(r)
 
@@ -331,11 +337,6 @@ class KVBudget:
         router's share; unbounded for an engine of unknown capacity)."""
         cap = self.capacity.get(replica)
         return float("inf") if cap is None else self.fill_of(replica) * cap * self.share
-
-    def shared_tokens(self, replica: str) -> int:
-        """Tokens of the prefixes `replica`'s live conversations share: cached once for every
-        router replica, so each counts its share of them."""
-        return sum(t for t, _ in self.prefixes.get(replica, {}).values())
 
     def _protects_running_only(self, replica: str) -> bool:
         if self.protect == "auto":
@@ -379,11 +380,10 @@ class KVBudget:
                                     home.keys, home.prefix)
             else:
                 new = _Conversation(replica, prompt_tokens, now, running + 1,
-                                    min(cached_tokens, prompt_tokens))
-                if new.shared:
-                    new.prefix = self._found_shared(replica, keys, new.shared)
-                elif keys:
-                    new.keys = keys
+                                    min(cached_tokens, prompt_tokens), array("Q", keys))
+                blocks = self._found_shared(replica, keys, new.shared)
+                if blocks:
+                    new.prefix = (keys[blocks - 1], blocks)
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
             self._live[session] = conv = new
@@ -407,27 +407,32 @@ class KVBudget:
         self._backoff[replica] = share
 
     def _sharing(self, replica: str, keys: Sequence[int], tokens: int
-                 ) -> tuple[tuple[int, int] | None, list[tuple[str, int]]]:
+                 ) -> tuple[int, list[tuple[str, int]]]:
         """A conversation new on `replica` finds `tokens` of its prompt (`keys`) cached
-        there: the prefix it shares (its last block's key, its tokens; None for none), and
-        the live conversations that came with nothing cached and start with it (they
-        brought it and have counted it as their own), with how much of it each counted."""
-        bs = self.block_size()
-        n = min(tokens // bs, len(keys))
+        there: how many blocks of it are a prefix it shares, and the live conversations that
+        brought part of that prefix (they began with it and share less of it than that: they
+        counted the rest as their own history), with how much each counted."""
+        n = min(tokens // self.block_size(), len(keys))
         if n == 0:
-            return None, []
-        prefix = (keys[n - 1], n * bs)  # chained keys: the whole prefix
+            return 0, []
+        size, key = n * self.block_size(), keys[n - 1]  # chained keys: the whole prefix
+        if self.prefixes.holds(replica, key):
+            # Its bringers were found when it was first shared: a conversation that began
+            # with it since found it cached. Every prompt beginning alike (a chat template's
+            # first block) would otherwise be looked through at every request.
+            return n, []
         bringers = []
         for s in self._origins.get((replica, keys[0]), ()):
             c = self._live[s]
-            if len(c.keys) >= n and c.keys[n - 1] == prefix[0]:
-                bringers.append((s, min(prefix[1], c.tokens) - c.shared))
-        return prefix, bringers
+            moved = min(size, c.tokens) - c.shared
+            if moved > 0 and len(c.keys) >= n and c.keys[n - 1] == key:
+                bringers.append((s, moved))
+        return n, bringers
 
-    def _found_shared(self, replica: str, keys: Sequence[int],
-                      tokens: int) -> tuple[int, int] | None:
-        """`_sharing`, applied: from now on the prefix is shared, not its bringers'."""
-        prefix, bringers = self._sharing(replica, keys, tokens)
+    def _found_shared(self, replica: str, keys: Sequence[int], tokens: int) -> int:
+        """`_sharing`, applied: what the bringers brought is shared from now on, theirs no
+        longer. Returns the shared prefix's blocks."""
+        blocks, bringers = self._sharing(replica, keys, tokens)
         for s, moved in bringers:
             conv = self._live[s]
             self._drop(s, conv)
@@ -435,30 +440,23 @@ class KVBudget:
             self.reserved[replica] -= moved
             if conv.running:
                 self.active[replica] -= moved
-            conv.keys, conv.prefix = (), prefix
+            conv.prefix = (keys[blocks - 1], blocks)
             self._hold(s, conv)
-        return prefix
+        return blocks
 
     def _hold(self, session: str, conv: _Conversation) -> None:
-        """`conv` (live) counts as using its shared prefix, or as one that may have
-        brought one."""
-        if conv.prefix is not None:
-            key, tokens = conv.prefix
-            entry = self.prefixes.setdefault(conv.replica, {}).setdefault(key, [tokens, 0])
-            entry[1] += 1
-        elif conv.keys:
+        """`conv` is live: it may bring a prefix others come to share, and it uses the
+        prefix it shares."""
+        if conv.keys:
             self._origins.setdefault((conv.replica, conv.keys[0]), set()).add(session)
+        if conv.prefix is not None:
+            self.prefixes.use(conv.replica, conv.keys, conv.prefix[1], self.block_size())
 
     def _drop(self, session: str, conv: _Conversation) -> None:
         """`conv` is no longer live (or is about to be replaced): undoes `_hold`."""
         if conv.prefix is not None:
-            held = self.prefixes.get(conv.replica, {})
-            entry = held.get(conv.prefix[0])
-            if entry is not None:
-                entry[1] -= 1
-                if entry[1] <= 0:
-                    del held[conv.prefix[0]]
-        elif conv.keys:
+            self.prefixes.release(conv.replica, conv.prefix[0])
+        if conv.keys:
             origins = self._origins.get((conv.replica, conv.keys[0]))
             if origins is not None:
                 origins.discard(session)
@@ -497,6 +495,7 @@ class KVBudget:
         for s in expired:
             conv = self._live.pop(s)
             self._drop(s, conv)
+            conv.keys, conv.prefix = (), None  # a gone conversation brings nothing back
             self.reserved[conv.replica] -= conv.own
             if self.idle_s is None:
                 self._gone.pop(s, None)  # newest last

@@ -47,6 +47,9 @@ class RouteRequest:
     continued_tokens: int = 0
     """Tokens (whole blocks) it shares with its conversation's previous prompt and answer
     as the engine cached them: what its engine should still hold (set by the core)."""
+    kv_cached: dict[str, int] | None = None
+    """Cache-pressure admission: tokens of the prompt each candidate had cached when it
+    last looked (RoutingCore.kv_room)."""
     queued: bool = False
     """It waits in the router behind load (engine slots, its key's turn, KV room), not for
     an engine to come up (set by the server while it waits)."""

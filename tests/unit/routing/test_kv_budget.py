@@ -498,7 +498,7 @@ def test_the_core_counts_what_the_index_holds_of_a_new_session_as_shared():
         core.dispatched(d, route)
     # s1 found the tool prompt cached: only its own 400 tokens are reserved for it, and s0,
     # which brought it, now shares it: the prompt is counted once, apart.
-    assert core.kv.reserved["e0"] == 400 + 400 and core.kv.shared_tokens("e0") == 3_008
+    assert core.kv.reserved["e0"] == 400 + 400 and core.kv.prefixes.tokens("e0") == 3_008
     route = core.request(tools + [60_000] * 3_000, session="s2")
     route.max_tokens = 10
     assert core.kv_room(route, ["e0"]) == ["e0"]  # 800 + 3,008 + 20 + 3,010 ≤ 8,000
@@ -508,36 +508,51 @@ def test_a_prefix_its_bringer_shares_is_counted_once_and_each_router_counts_its_
     """Agents' sessions start at once on four routers: on each, the first session of an
     agent brings its tool prompt. Counted as that session's own history, two prompts
     filled a router's quarter of the cache, and the agents' next sessions waited for
-    those to end (3.5 s on two H200s, bench/results: the agent loop under pressure)."""
+    those to end (3.5 s on two H200s: docs/log/cache-pressure-default.md)."""
     now = [0.0]
     kv = KVBudget(idle_s=5.0, fill=1.0, clock=lambda: now[0], routers=lambda: 4,
                   block_size=lambda: 16)
     kv.joined("e0", 34_400)  # a quarter of it: 8,600 tokens
-    tools = {a: [a * 1_000 + k for k in range(250)] for a in (1, 2)}  # 4,000 tokens each
-    for a in (1, 2):  # each agent's first session, nothing cached yet
-        kv.dispatched("e0", f"a{a}-0", 4_200, 32, cached_tokens=0, keys=tools[a] + [a])
-    assert kv.reserved["e0"] == 8_400
-    # Counted as theirs, the prompts leave no room: 64 running + 8,400 + 232 > 8,600.
+    head = [7, 8]  # a chat template's first two blocks, every prompt's
+    tools = {a: head + [a * 1_000 + k for k in range(248)] for a in (1, 2)}  # 4,000 tokens
+    kv.dispatched("e0", "a1-0", 4_200, 32, cached_tokens=0, keys=tools[1] + [1])
+    # The second agent's first session found only the template's head cached: the head
+    # is shared from now on, a1-0 brought it.
+    kv.dispatched("e0", "a2-0", 4_200, 32, cached_tokens=32, keys=tools[2] + [2])
+    assert kv.reserved["e0"] == 4_168 + 4_168 and kv.prefixes.tokens("e0") == 32
+    # Counted as theirs, the prompts leave no room: 64 running + 8,336 + 32 / 4 + 232 > 8,600.
     assert kv.room(["e0"], "a1-1", 4_200, 32, cached={"e0": 4_000}) == []
-    # Shared as the next session comes, they do: 64 + 4,400 + 4,000 / 4 + 232 ≤ 8,600.
+    # Shared as the next session comes, they do: 64 + 4,368 + 4,000 / 4 + 232 ≤ 8,600.
     assert kv.room(["e0"], "a1-1", 4_200, 32, cached={"e0": 4_000},
-                   keys=tools[1] + [7]) == ["e0"]
-    # The second session of agent 1 found its prompt cached: it is shared from now on.
-    kv.dispatched("e0", "a1-1", 4_200, 32, cached_tokens=4_000, keys=tools[1] + [7])
-    assert kv.reserved["e0"] == 200 + 4_200 + 200 and kv.shared_tokens("e0") == 4_000
-    # 4,600 own + 4,000 / 4 shared + running 96 + 232 ≤ 8,600: the next one fits.
-    assert kv.room(["e0"], "a1-2", 4_200, 32, cached={"e0": 4_000}) == ["e0"]
-    # Another agent's prompt that starts alike but differs is not taken for it.
-    kv.dispatched("e0", "b-0", 4_200, 32, cached_tokens=0, keys=tools[1][:10] + tools[2])
-    kv.dispatched("e0", "b-1", 4_200, 32, cached_tokens=160, keys=tools[1][:10] + [9])
-    assert kv.shared_tokens("e0") == 4_000 + 160
-    assert kv._live["a1-0"].shared == 4_000 and kv._live["a2-0"].shared == 0
-    # The prefix counts while a session using it is live, and goes with the last one.
-    for s in list(kv._live):
-        kv.ended("e0", s, 32)
+                   keys=tools[1] + [3]) == ["e0"]
+    kv.dispatched("e0", "a1-1", 4_200, 32, cached_tokens=4_000, keys=tools[1] + [3])
+    # Agent 1's prompt is shared from now on, the head inside it counted once.
+    assert kv.reserved["e0"] == 200 + 4_168 + 200 and kv.prefixes.tokens("e0") == 4_000
+    # a2-0 brought its own prompt past the head: it is its own until a sibling shares it.
+    kv.dispatched("e0", "a2-1", 4_200, 32, cached_tokens=4_000, keys=tools[2] + [4])
+    assert kv.reserved["e0"] == 200 + 200 + 200 + 200
+    assert kv.prefixes.tokens("e0") == 4_000 + 4_000 - 32  # two prompts, one head
+    # A prompt that begins like agent 1's but parts from it is not taken for it.
+    kv.dispatched("e0", "c-0", 4_200, 32, cached_tokens=160, keys=tools[1][:10] + [5] * 250)
+    assert kv._live["c-0"].shared == 160 and kv.prefixes.tokens("e0") == 7_968
+    # A session moving away stops using the prefix here; the last one to go takes it along.
+    kv.dispatched("e1", "a1-1", 4_400, 32)
+    for s in ("a1-0", "a1-1", "a2-0", "a2-1", "c-0"):
+        kv.ended(kv._live[s].replica, s, 32)
     now[0] = 10.0
     assert kv.room(["e0"], "z", 100, 10) == ["e0"]  # expires the quiet sessions
-    assert kv.shared_tokens("e0") == 0 and kv.reserved["e0"] == 0 and not kv._origins
+    assert kv.prefixes.tokens("e0") == 0 and kv.reserved["e0"] == 0 and not kv._origins
+
+
+def test_an_engine_that_leaves_takes_its_shared_prefixes_along():
+    kv = KVBudget(idle_s=5.0, fill=1.0, block_size=lambda: 16)
+    kv.joined("e0", 10_000)
+    keys = list(range(100))
+    kv.dispatched("e0", "a", 1_700, 10, keys=keys + [1] * 6)
+    kv.dispatched("e0", "b", 1_700, 10, cached_tokens=1_600, keys=keys + [2] * 6)
+    assert kv.prefixes.tokens("e0") == 1_600
+    kv.left("e0")
+    assert kv.prefixes.tokens("e0") == 0 and not kv._origins and not kv.is_live("a")
 
 
 def test_a_held_request_looks_again_at_what_its_siblings_cached_meanwhile():
