@@ -9,14 +9,17 @@ docs/results.md, "Users' chats under eviction"; docs/log/gpu-kv-hierarchy.md). H
 router keeps, per engine, the tokens of
 
   * its running requests (what they add to the cache: their output, and the prompts of
-    requests without a session), and
+    requests without a session),
   * the histories of its live conversations (a turn in flight or finished less than
-    `idle_s` ago, by the session header), each without the prefix that was cached on its
-    engine before it came (a system or tool prompt many conversations share is in the
-    cache once, not once per conversation),
+    `idle_s` ago, by the session header), each without the prefixes it shares, and
+  * the prefixes its live conversations share (a system or tool prompt: cached once, so
+    counted once, as their union, and by each router replica for its share of the cache;
+    routing/shared_prefixes.py). What a conversation finds cached that no live one shares
+    (its own history back after its window, what one gone since left) is its own; a
+    conversation that brought a prefix counts it as its own until a later one is found to
+    share it,
 
-and the prefixes its live conversations share (a system or tool prompt: cached once, counted
-once, and by each router replica for its share of the cache), and admits a new conversation
+and admits a new conversation
 (or one moving in) only where running + live histories + shared prefixes + what it adds fits
 the engine's KV capacity, and a live conversation's next turn where running +
 its new tokens fit: continuing conversations get in first, new ones wait until a
@@ -163,7 +166,7 @@ class KVBudget:
         """Per engine: tokens of the histories of conversations with a turn in flight."""
         self.host_tier: set[str] = set()
         """Engines with a host-memory KV tier."""
-        self.prefixes = SharedPrefixes()
+        self.prefixes = SharedPrefixes(block_size)
         """Per engine: the prefixes its live conversations share, counted once."""
         self._origins: dict[tuple[str, int], set[str]] = {}
         """(engine, first block key) -> the live conversations new there that began with
@@ -280,8 +283,10 @@ class KVBudget:
         self._expire()
         conv = self._live.get(session) if session else None
         cached = cached or {}
+        gone = self._gone.get(session) if session and conv is None else None
         out = [r for r in candidates
-               if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0), keys)]
+               if self._fits(r, conv, prompt_tokens, max_tokens, cached.get(r, 0), keys,
+                             gone is not None and gone.replica == r)]
         if not out and candidates and all(
                 self._need(r, conv, prompt_tokens, max_tokens, cached.get(r, 0))
                 > self.budget(r) for r in candidates):
@@ -305,7 +310,10 @@ class KVBudget:
         return max(0, prompt_tokens - max(_held(conv, r), cached_tokens)) + max_tokens
 
     def _fits(self, r: str, conv: _Conversation | None, prompt_tokens: int,
-              max_tokens: int, cached_tokens: int, keys: Sequence[int] = ()) -> bool:
+              max_tokens: int, cached_tokens: int, keys: Sequence[int] = (),
+              back: bool = False) -> bool:
+        """`back`: the conversation comes back to `r` after its window (what it finds
+        cached there is its own history)."""
         cap = self.capacity.get(r)
         if cap is None or not self.running[r]:
             return True
@@ -322,11 +330,13 @@ class KVBudget:
             if conv is not None and conv.replica == r:
                 protected = 0.0
             else:
-                # As it comes, a prefix it shares is counted once, apart (its share of it),
-                # and no longer in the histories of the conversations that brought it.
-                blocks, bringers = self._sharing(r, keys, cached_tokens)
-                added = self.prefixes.added_by(r, keys, blocks, self.block_size()) \
-                    if blocks else 0
+                # As it comes, a prefix it shares with live conversations that brought it is
+                # counted once, apart (its share of it), and no longer in their histories.
+                blocks, bringers = self._sharing(r, keys, min(cached_tokens, prompt_tokens),
+                                                 back)
+                added = 0
+                if bringers:
+                    added = (blocks - self.prefixes.inside(r, keys, blocks)) * self.block_size()
                 protected = self.reserved[r] - sum(m for _, m in bringers) + \
                     (self.prefixes.tokens(r) + added) * self.share
         need = self._need(r, conv, prompt_tokens, max_tokens, cached_tokens)
@@ -372,17 +382,21 @@ class KVBudget:
                     self.active[conv.replica] -= conv.own
                 self._drop(session, conv)
             running = conv.running if conv is not None else 0
-            # What was cached there before it came is shared; back home (live or gone
-            # quiet) it stays what it was, the rest of what is cached being its own.
-            home = conv if conv is not None else gone
-            if home is not None and home.replica == replica:
-                new = _Conversation(replica, prompt_tokens, now, running + 1, home.shared,
-                                    home.keys, home.prefix)
+            if conv is not None and conv.replica == replica and \
+                    conv.shared <= prompt_tokens:
+                # Back home: it shares what it shared; the rest of its history is its own.
+                new = _Conversation(replica, prompt_tokens, now, running + 1, conv.shared,
+                                    conv.keys, conv.prefix)
             else:
-                new = _Conversation(replica, prompt_tokens, now, running + 1,
-                                    min(cached_tokens, prompt_tokens), array("Q", keys))
-                blocks = self._found_shared(replica, keys, new.shared)
+                # New here (or its history cut short of what it shared): of what it finds
+                # cached, what live conversations share is shared, the rest (its own history
+                # back after its window, or what a conversation gone since left) its own.
+                new = _Conversation(replica, prompt_tokens, now, running + 1, 0,
+                                    array("Q", keys))
+                blocks = self._found_shared(replica, keys, min(cached_tokens, prompt_tokens),
+                                            gone is not None and gone.replica == replica)
                 if blocks:
+                    new.shared = blocks * self.block_size()
                     new.prefix = (keys[blocks - 1], blocks)
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
@@ -406,21 +420,19 @@ class KVBudget:
             share = max(min(1.0, FILL_FLOOR / top), min(share, 1.0) * FILL_BACKOFF)
         self._backoff[replica] = share
 
-    def _sharing(self, replica: str, keys: Sequence[int], tokens: int
+    def _sharing(self, replica: str, keys: Sequence[int], tokens: int, back: bool = False
                  ) -> tuple[int, list[tuple[str, int]]]:
         """A conversation new on `replica` finds `tokens` of its prompt (`keys`) cached
-        there: how many blocks of it are a prefix it shares, and the live conversations that
-        brought part of that prefix (they began with it and share less of it than that: they
-        counted the rest as their own history), with how much each counted."""
+        there: how many blocks of it are a prefix it shares with live conversations, and
+        those of them that brought part of it and counted that as their own history (they
+        began with it, nothing of it was counted shared then), with how much each counted.
+        Bringers are looked for only where the prefix is not counted yet, and not for a
+        conversation `back` after its window (what it finds is its own history): every
+        prompt that begins alike (a chat template's first block) is looked through."""
         n = min(tokens // self.block_size(), len(keys))
-        if n == 0:
-            return 0, []
-        size, key = n * self.block_size(), keys[n - 1]  # chained keys: the whole prefix
-        if self.prefixes.holds(replica, key):
-            # Its bringers were found when it was first shared: a conversation that began
-            # with it since found it cached. Every prompt beginning alike (a chat template's
-            # first block) would otherwise be looked through at every request.
+        if n == 0 or back or self.prefixes.holds(replica, keys[n - 1]):
             return n, []
+        size, key = n * self.block_size(), keys[n - 1]  # chained keys: the whole prefix
         bringers = []
         for s in self._origins.get((replica, keys[0]), ()):
             c = self._live[s]
@@ -429,10 +441,13 @@ class KVBudget:
                 bringers.append((s, moved))
         return n, bringers
 
-    def _found_shared(self, replica: str, keys: Sequence[int], tokens: int) -> int:
+    def _found_shared(self, replica: str, keys: Sequence[int], tokens: int,
+                      back: bool = False) -> int:
         """`_sharing`, applied: what the bringers brought is shared from now on, theirs no
-        longer. Returns the shared prefix's blocks."""
-        blocks, bringers = self._sharing(replica, keys, tokens)
+        longer. Returns the blocks of the shared prefix the newcomer uses: all it found
+        cached where that is counted or was brought by live conversations, else the part
+        of it in the union."""
+        n, bringers = self._sharing(replica, keys, tokens, back)
         for s, moved in bringers:
             conv = self._live[s]
             self._drop(s, conv)
@@ -440,9 +455,10 @@ class KVBudget:
             self.reserved[replica] -= moved
             if conv.running:
                 self.active[replica] -= moved
-            conv.prefix = (keys[blocks - 1], blocks)
+            conv.prefix = (keys[n - 1], n)
             self._hold(s, conv)
-        return blocks
+        return n if n and self.prefixes.holds(replica, keys[n - 1]) else \
+            self.prefixes.inside(replica, keys, n)
 
     def _hold(self, session: str, conv: _Conversation) -> None:
         """`conv` is live: it may bring a prefix others come to share, and it uses the
@@ -450,7 +466,7 @@ class KVBudget:
         if conv.keys:
             self._origins.setdefault((conv.replica, conv.keys[0]), set()).add(session)
         if conv.prefix is not None:
-            self.prefixes.use(conv.replica, conv.keys, conv.prefix[1], self.block_size())
+            self.prefixes.use(conv.replica, conv.keys, conv.prefix[1])
 
     def _drop(self, session: str, conv: _Conversation) -> None:
         """`conv` is no longer live (or is about to be replaced): undoes `_hold`."""
@@ -467,10 +483,17 @@ class KVBudget:
         """The turn ran to its end: the conversation's history is now `context_tokens`."""
         conv = self._live.get(session) if session else None
         if conv is not None and conv.replica == replica:
-            self.reserved[replica] += context_tokens - conv.tokens
-            if conv.running:
-                self.active[replica] += context_tokens - conv.tokens
+            own = conv.own
+            if context_tokens < conv.shared:
+                # Cut short of what it shared (a client trimmed it, a stale turn): it
+                # shares nothing now.
+                self._drop(session, conv)
+                conv.shared, conv.prefix = 0, None
+                self._hold(session, conv)
             conv.tokens = context_tokens
+            self.reserved[replica] += conv.own - own
+            if conv.running:
+                self.active[replica] += conv.own - own
 
     def ended(self, replica: str, session: str | None, held: int) -> None:
         self.running[replica] -= held

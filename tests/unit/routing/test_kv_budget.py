@@ -467,22 +467,27 @@ def test_a_prefix_cached_before_a_conversation_came_is_not_reserved_for_it():
     kv = KVBudget(idle_s=5.0, fill=1.0)
     kv.joined("e0", 8_000)
     kv.dispatched("e0", None, 100, 100)  # something runs: the budget applies
-    for i in range(4):  # 4 sessions: 3,000 shared + 500 of their own each
-        h = kv.dispatched("e0", f"s{i}", 3_500, 100, cached_tokens=3_000 if i else 0)
+    tools = list(range(188))  # 3,008 tokens
+    for i in range(4):  # 4 sessions: the tool prompt and 492 tokens of their own each
+        h = kv.dispatched("e0", f"s{i}", 3_500, 100, cached_tokens=3_008 if i else 0,
+                          keys=tools + [1_000 + i] * 30)
         kv.finished("e0", f"s{i}", 3_600)
         kv.ended("e0", f"s{i}", h)
-    assert kv.reserved["e0"] == 3_600 + 3 * 600  # the first one brought the prompt
-    assert kv.adds("e0", "s9", 3_500, 100, cached_tokens=3_000) == 600
+    # The first one brought the prompt; from the second on it is shared, counted once.
+    assert kv.reserved["e0"] == 4 * 592 and kv.prefixes.tokens("e0") == 3_008
+    assert kv.adds("e0", "s9", 3_500, 100, cached_tokens=3_008) == 592
     # A fifth session fits next to them; counted as a copy of the prompt each, it would not.
-    assert kv.room(["e0"], "s9", 3_500, 100, cached={"e0": 3_000}) == ["e0"]
+    assert kv.room(["e0"], "s9", 3_500, 100, cached={"e0": 3_008},
+                   keys=tools + [9] * 30) == ["e0"]
     assert kv.room(["e0"], "s9", 3_500, 100) == []
     # At home a session keeps what it shared; its own growth is its own.
-    h = kv.dispatched("e0", "s1", 4_000, 100, cached_tokens=3_600)
+    h = kv.dispatched("e0", "s1", 4_000, 100, cached_tokens=3_600, keys=tools + [1_001] * 62)
     kv.finished("e0", "s1", 4_100)
     kv.ended("e0", "s1", h)
-    assert kv.reserved["e0"] == 3_600 + 2 * 600 + 1_100
+    assert kv.reserved["e0"] == 3 * 592 + 1_092
     kv.left("e0")
     assert kv.reserved["e0"] == 0 and not kv.is_live("s1")
+    assert kv.prefixes.tokens("e0") == 0
 
 
 def test_the_core_counts_what_the_index_holds_of_a_new_session_as_shared():
@@ -577,23 +582,40 @@ def test_a_held_request_looks_again_at_what_its_siblings_cached_meanwhile():
     assert core.kv_room(later, ["e0"]) == ["e0"]
 
 
-def test_a_conversation_back_after_its_window_keeps_what_it_shared():
-    """Its own history is cached on its engine when it comes back after going quiet: that
-    is not a prefix others left, so it is reserved for it again (only what it shared when
-    it first came is not)."""
+def test_a_conversations_own_history_is_its_own_whether_or_not_it_was_cached():
+    """What a conversation finds cached that no live conversation shares (its own history
+    back after its window, what a conversation gone since left) is its own: reserved for
+    it, not counted as a prefix others share."""
     now = [0.0]
     kv = KVBudget(clock=lambda: now[0])  # learned window: 5 s at first
     kv.joined("e0", 100_000)
     kv.arrived("a")
-    h = kv.dispatched("e0", "a", 4_000, 100, cached_tokens=1_000)  # 1,000 shared
+    h = kv.dispatched("e0", "a", 4_000, 100, cached_tokens=1_024, keys=list(range(250)))
     kv.finished("e0", "a", 4_100)
     kv.ended("e0", "a", h)
-    assert kv.reserved["e0"] == 3_100
+    assert kv.reserved["e0"] == 4_100 and kv.prefixes.tokens("e0") == 0
     now[0] = 30.0
     assert not kv.is_live("a") and kv.reserved["e0"] == 0
     kv.arrived("a")
-    kv.dispatched("e0", "a", 4_500, 100, cached_tokens=4_096)  # its own history cached
-    assert kv.reserved["e0"] == 3_500
+    kv.dispatched("e0", "a", 4_500, 100, cached_tokens=4_096, keys=list(range(281)))
+    assert kv.reserved["e0"] == 4_500 and kv.prefixes.tokens("e0") == 0
+
+
+def test_a_history_cut_short_of_what_it_shared_shares_nothing_and_stays_positive():
+    kv = KVBudget(idle_s=5.0, fill=1.0)
+    kv.joined("e0", 100_000)
+    tools = list(range(100))  # 1,600 tokens
+    kv.dispatched("e0", "a", 1_700, 10, keys=tools + [1] * 6)
+    kv.dispatched("e0", "b", 1_700, 10, cached_tokens=1_600, keys=tools + [2] * 6)
+    assert kv._live["a"].shared == 1_600
+    # a's client trims its history below the tool prompt: what it finished with is its own.
+    kv.finished("e0", "a", 1_000)
+    assert kv._live["a"].own == 1_000 and kv.reserved["e0"] == 1_000 + 100
+    # ...and a next turn at home shorter than what it shared takes the newcomer's path.
+    kv.ended("e0", "a", 10)
+    kv.dispatched("e0", "a", 900, 10, cached_tokens=896, keys=tools[:56] + [3])
+    assert kv._live["a"].own >= 0 and kv.reserved["e0"] >= 0
+    assert kv.prefixes.tokens("e0") == 1_600  # b still uses the prompt
 
 
 def test_with_a_host_tier_a_prompt_bigger_than_the_budget_goes_at_once():
