@@ -376,15 +376,18 @@ class KVBudget:
             if conv is not None and conv.replica == replica and not conv.running and \
                     continued is not None and continued[0] > 0:
                 self._learn(replica, kept=continued[1] >= continued[0] * LOST)
+            home = conv is not None and conv.replica == replica and \
+                conv.shared <= prompt_tokens
             if conv is not None:
                 self.reserved[conv.replica] -= conv.own
                 if conv.running:
                     self.active[conv.replica] -= conv.own
-                self._drop(session, conv)
+                if not home:
+                    self._drop(session, conv)
             running = conv.running if conv is not None else 0
-            if conv is not None and conv.replica == replica and \
-                    conv.shared <= prompt_tokens:
-                # Back home: it shares what it shared; the rest of its history is its own.
+            if home:
+                # Back home: it shares what it shared (still held for it); the rest of its
+                # history is its own.
                 new = _Conversation(replica, prompt_tokens, now, running + 1, conv.shared,
                                     conv.keys, conv.prefix)
             else:
@@ -398,10 +401,10 @@ class KVBudget:
                 if blocks:
                     new.shared = blocks * self.block_size()
                     new.prefix = (keys[blocks - 1], blocks)
+                self._hold(session, new)
             # The prompt (the history and the new turn) becomes the conversation's; the
             # output is running until the turn ends.
             self._live[session] = conv = new
-            self._hold(session, conv)
             self.reserved[replica] += conv.own
             self.active[replica] += conv.own
             held = max_tokens
